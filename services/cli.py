@@ -1,0 +1,198 @@
+"""The `coxswain` command line: make tiny checkpoints, generate, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from services.common.errors import CoxswainError
+
+DEFAULT_HOME = Path.home() / ".cache" / "coxswain"
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from services.engine.model.tiny import make_tiny_checkpoint
+
+    out = make_tiny_checkpoint(
+        args.out,
+        args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        seed=args.seed,
+        dtype=args.dtype,
+        shards=args.shards,
+    )
+    print(f"wrote a tiny {args.arch} checkpoint to {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from services.engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    params = SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop or [],
+        logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompts
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "prompt_token_ids": out.prompt_token_ids,
+                        "outputs": [
+                            {
+                                "text": c.text,
+                                "token_ids": c.token_ids,
+                                "finish_reason": c.finish_reason,
+                                "logprobs": c.logprobs,
+                            }
+                            for c in out.outputs
+                        ],
+                    }
+                )
+            )
+        else:
+            for c in out.outputs:
+                print(f"{prompt!r} -> {c.text!r}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Build the embedded tiny model if needed and serve a mixed batch through the engine."""
+    from services.engine import LLM, SamplingParams
+    from services.engine.model.tiny import make_tiny_checkpoint
+
+    model_dir = Path(args.model_dir or DEFAULT_HOME / f"tiny-{args.arch}")
+    if not (model_dir / "config.json").is_file():
+        print(f"building a tiny {args.arch} checkpoint in {model_dir} ...")
+        make_tiny_checkpoint(model_dir, args.arch)
+    llm = LLM(model_dir, **_engine_kwargs(args))
+    shared = "The harbour master kept a log of every boat that came in, and on the first day "
+    prompts = [shared + tail for tail in ("of spring", "of the storm", "after the race")] + [
+        "Once upon a time",
+        "def add(a, b):",
+    ]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7),
+        SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=11),
+        SamplingParams(max_tokens=24, temperature=0.0, logprobs=3),
+        SamplingParams(max_tokens=24, temperature=0.7, n=2, seed=3),
+    ]
+    t0 = time.perf_counter()
+    # The first request fills the prefix cache; the batch after it reuses the shared prefix.
+    outs = llm.generate(prompts[:1], params[:1]) + llm.generate(prompts[1:], params[1:])
+    dt = time.perf_counter() - t0
+    print(f"model: {model_dir} ({llm.engine.model_config.architecture}, random weights)")
+    for out in outs:
+        for c in out.outputs:
+            print(
+                f"- {out.prompt[:48]!r:52} cached={out.num_cached_tokens:3d} "
+                f"-> {c.text[:40]!r} [{c.finish_reason}]"
+            )
+    s = llm.engine.stats()
+    n_tok = s["num_generated_tokens"]
+    print(
+        f"{len(prompts)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.0f} tok/s), "
+        f"{s['num_steps']} steps; prefix cache hits {s['prefix_cache_hits']}/"
+        f"{s['prefix_cache_queries']} tokens"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coxswain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="checkpoint tools").add_subparsers(
+        dest="model_command", required=True
+    )
+    tiny = model.add_parser("make-tiny", help="write a tiny random HF checkpoint directory")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--hidden", type=int, default=64)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--vocab", type=int, default=512)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    tiny.add_argument("--shards", type=int, default=1)
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    gen = sub.add_parser("generate", help="generate from a local HF checkpoint")
+    gen.add_argument("--model", required=True, help="a local Hugging Face checkpoint directory")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--logprobs", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="build the embedded tiny model and serve a batch")
+    demo.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    demo.add_argument("--model-dir", default=None)
+    _add_engine_args(demo)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CoxswainError as e:
+        print(f"coxswain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

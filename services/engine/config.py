@@ -1,0 +1,40 @@
+"""Engine-wide settings, validated once when an engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.errors import InvalidRequestError
+
+
+@dataclass
+class EngineConfig:
+    """How an engine replica runs. Defaults suit the tiny CPU models of tests and demos.
+
+    `num_kv_blocks` fixes the KV cache size; otherwise it is `kv_cache_memory_gb` on CPU
+    and `gpu_memory_utilization` of the free GPU memory (after weights) on CUDA, capped to
+    what `max_num_seqs` sequences of `max_model_len` tokens could ever use, times four for
+    prefix-cache headroom.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.85
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidRequestError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,296 @@
+"""The synchronous engine: add requests, call `step()` until they finish.
+
+One step = schedule → run the model on the flat batch → sample → update state, detokenize,
+check stop conditions → emit outputs for every request that changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from services.common.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestNotFoundError,
+)
+from services.engine.config import EngineConfig
+from services.engine.kv.block_manager import BlockManager
+from services.engine.model.config import load_model_config
+from services.engine.model.tokenizer import Tokenizer
+from services.engine.model_runner import ModelRunner, resolve_device_dtype
+from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.parallel import SINGLE_PROCESS, ParallelContext
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import RequestGroup, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """A single engine replica over one local Hugging Face checkpoint directory."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        config: EngineConfig | None = None,
+        ctx: ParallelContext = SINGLE_PROCESS,
+    ):
+        self.config = cfg = config or EngineConfig()
+        self.model_dir = Path(model)
+        self.model_config = load_model_config(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+        self.runner = ModelRunner(
+            self.model_dir, self.model_config, self.device, self.dtype, cfg.block_size, ctx,
+            seed=cfg.seed,
+        )
+        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.model_config.max_position_embeddings}"
+            )
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * cfg.block_size < self.max_model_len:
+            log.warning(
+                "KV cache holds %d tokens: max_model_len lowered from %d",
+                num_blocks * cfg.block_size,
+                self.max_model_len,
+            )
+            self.max_model_len = num_blocks * cfg.block_size
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.enable_chunked_prefill,
+        )
+        eos = set(self.model_config.eos_token_ids) | set(self._generation_eos_ids())
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, RequestGroup] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+
+    def _generation_eos_ids(self) -> list[int]:
+        import json
+
+        path = self.model_dir / "generation_config.json"
+        if not path.is_file():
+            return []
+        value = json.loads(path.read_text()).get("eos_token_id")
+        if value is None:
+            return []
+        return [value] if isinstance(value, int) else list(value)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.runner.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cfg.gpu_memory_utilization
+        else:
+            budget = cfg.kv_cache_memory_gb * 2**30
+        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        cap = 4 * cfg.max_num_seqs * blocks_per_seq
+        return max(1, min(int(budget // max(per_block, 1)), cap))
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
+            raise InvalidRequestError("a prompt must be a string or a list of token ids")
+        return None, list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Reject what this engine cannot serve, naming the problem (raises InvalidRequestError)."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty (it encodes to zero tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                f"{self.max_model_len} (the prompt plus at least one generated token must fit)"
+            )
+        for name in ("logprob_token_ids", "stop_token_ids"):
+            bad = [t for t in getattr(params, name) if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name} out of range [0, {vocab}): {bad[:5]}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError (and changes nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._encode(prompt)
+        self.validate(ids, params)
+        group = RequestGroup(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_time=arrival_time or time.time(),
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+        if params.seed is not None:
+            for seq in group.seqs:
+                seq.generator = torch.Generator(device=self.device)
+                seq.generator.manual_seed(params.seed + 1_000_003 * seq.index)
+        self.requests[request_id] = group
+        self.scheduler.add(group)
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now and free its blocks; returns its final output."""
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            raise RequestNotFoundError(f"no unfinished request with id {request_id!r}")
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return self._output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the (cumulative) output of every request it advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self.scheduler.update(sched)
+        self.num_steps += 1
+        touched: dict[str, RequestGroup] = {}
+        for i, s in enumerate(sched.scheduled):
+            seq, group = s.seq, s.seq.group
+            if result.prompt_logprobs[i] is not None:
+                _, dicts = result.prompt_logprobs[i]
+                group.prompt_logprobs.extend(dicts)
+            if s.start < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(
+                    s.num_tokens, seq.num_prompt_tokens - s.start
+                )
+            token = result.sampled[i]
+            if token is None:
+                continue
+            touched[group.request_id] = group
+            if seq.index == 0 and seq.num_generated == 0 and group.params.n > 1:
+                self.scheduler.fork_samples(seq)
+            self._append_token(seq, token, result.logprobs[i])
+        outputs = []
+        for rid, group in touched.items():
+            outputs.append(self._output(group))
+            if group.is_finished:
+                del self.requests[rid]
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs or {})
+        params = seq.group.params
+        prev_len = len(seq.text)
+        seq.text = self._decode(seq)
+        if token in seq.group.eos_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif token in params.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif params.stop and self._check_stop_strings(seq, prev_len):
+            pass
+        elif params.max_tokens is not None and seq.num_generated >= params.max_tokens:
+            self.scheduler.finish(seq, "length")
+        elif seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _decode(self, seq: Sequence) -> str:
+        text = self.tokenizer.decode(
+            seq.generated_ids, skip_special_tokens=seq.group.params.skip_special_tokens
+        )
+        # A byte-level BPE token can end mid-character: hold back the partial character.
+        return text[:-1] if text.endswith("\ufffd") else text
+
+    def _check_stop_strings(self, seq: Sequence, prev_len: int) -> bool:
+        params = seq.group.params
+        longest = max(len(s) for s in params.stop)
+        # Only the newly decoded text (plus an overlap of a stop string's length) can hold a
+        # stop string that was not there before.
+        window_start = max(0, prev_len - longest + 1)
+        for stop in params.stop:
+            at = seq.text.find(stop, window_start)
+            if at != -1:
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                seq.text = seq.text[:end]
+                self.scheduler.finish(seq, "stop", stop)
+                return True
+        return False
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=seq.generated_ids,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in group.seqs
+        ]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.is_finished,
+            num_cached_tokens=group.num_cached_tokens or 0,
+            prompt_logprobs=list(group.prompt_logprobs)
+            if group.prompt_logprobs is not None
+            else None,
+        )
+
+    def stats(self) -> dict:
+        """Counters for dashboards and tests: cache hits, preemptions, pool use."""
+        bm = self.block_manager
+        return {
+            "num_steps": self.num_steps,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "num_cached_blocks": len(bm.cached),
+            "num_evictions": bm.num_evictions,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "config": asdict(self.config),
+        }

@@ -1,0 +1,156 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one readable decoder.
+
+The differences between the four are configuration: qkv bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), explicit head_dim, Llama-3 RoPE scaling, tied embeddings, and a sliding
+window (Mistral). The residual stream is kept as a plain tensor between sub-blocks so the
+intervention sites (`pre_attn`, `post_attn`, `post_block`) are real points in the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import AttentionBackend
+from services.engine.model.config import ModelConfig
+from services.engine.model.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from services.engine.parallel import ParallelContext
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend):
+        super().__init__()
+        if cfg.num_heads % ctx.tp_size or cfg.num_kv_heads % ctx.tp_size:
+            raise ValueError(
+                f"{cfg.num_heads} query / {cfg.num_kv_heads} KV heads cannot be split evenly "
+                f"over tensor-parallel size {ctx.tp_size}"
+            )
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // ctx.tp_size
+        self.num_kv_heads = cfg.num_kv_heads // ctx.tp_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        self.qkv_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, ctx
+        )
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, ctx)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.backend = backend
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        assert self.kv_cache is not None, "the runner must attach a KV cache before forward"
+        o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        n = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], cfg.mlp_bias, ctx)
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, ctx, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ctx)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: Any) -> torch.Tensor:
+        # site pre_attn  (blocks.L.hook_resid_pre)  = h
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        # site post_attn (blocks.L.hook_resid_mid)  = h
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        # site post_block (blocks.L.hook_resid_post) = h
+        return h
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """A pipeline stage of a Llama-family model (the whole model when pp_size == 1).
+
+    Parameter names follow Hugging Face's, except fused `qkv_proj` and `gate_up_proj`
+    (see `PACKED_MODULES`). Layers are numbered globally: stage k holds `layers[i]` only for
+    i in `ctx.layer_range(num_layers)`.
+    """
+
+    PACKED_MODULES = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.ctx = ctx
+        self.layer_range = ctx.layer_range(cfg.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+            if ctx.is_first_stage
+            else None
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, ctx, backend) for i in self.layer_range}
+        )
+        if ctx.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.norm = None
+            self.lm_head = None
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        meta: Any,
+        input_ids: torch.Tensor | None = None,  # [T], first stage
+        hidden_states: torch.Tensor | None = None,  # [T, H], later stages
+    ) -> torch.Tensor:  # [T, H]: the residual stream (final-normed on the last stage)
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_states
+        for layer in self.layers.values():
+            h = layer(positions, h, meta)
+        return self.norm(h) if self.norm is not None else h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return self.lm_head(h)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers.values()]

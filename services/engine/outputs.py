@@ -1,0 +1,35 @@
+"""What a caller gets back: one RequestOutput per prompt, one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. `logprobs[i]` maps token id -> logprob at generated step i."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "length" | "stop" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request (all its samples) so far; `finished` once every sample ended."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,81 @@
+"""Per-request generation settings, validated when built so bad values never reach a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. `temperature == 0` is greedy.
+
+    `logprobs=k` returns, per generated token, the top-k logprobs plus the sampled token's;
+    `logprob_token_ids` adds the exact logprob of each listed id at every generated step;
+    `prompt_logprobs=k` returns, per prompt position, the top-k plus the actual token's.
+    Logprobs are of the model's raw distribution (before temperature and truncation).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    logprob_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.logprob_token_ids = list(self.logprob_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling params: {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop must be a list of non-empty strings")
+        for name in ("stop_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name)
+            if any(not isinstance(i, int) or i < 0 for i in ids):
+                raise bad(f"{name} must be a list of non-negative token ids, got {ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

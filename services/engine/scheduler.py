@@ -1,0 +1,166 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+Pure Python over `Sequence` objects and the `BlockManager`: no tensors, no model, so every
+scheduling decision is unit-testable. Running sequences go first (in admission order),
+then waiting ones are admitted while the token budget, `max_num_seqs` and free KV blocks
+allow. When a running sequence needs a block and none is free, the most recently admitted
+running sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.kv.block_manager import BlockManager
+from services.engine.sequence import RequestGroup, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: tokens [start, start + num_tokens) get KV computed."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so it samples the next one."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, group: RequestGroup) -> None:
+        self.waiting.append(group.seqs[0])
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # preempted itself: nothing later in `running` is left either
+            self.bm.allocate(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+            scheduled_ids.add(seq.seq_id)
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            cached, hashes = [], []
+            if not seq.block_table and not self._needs_all_prompt_logits(seq):
+                cached, hashes = self.bm.match_prefix(seq)
+            start = max(seq.num_computed, len(cached) * self.bm.block_size)
+            remaining = seq.num_tokens - start
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                break
+            new_blocks = self.bm.blocks_for(start + n) - max(len(seq.block_table), len(cached))
+            if new_blocks > self.bm.num_free_after_touch(cached):
+                break
+            self.waiting.popleft()
+            if not seq.block_table:
+                self.bm.admit(seq, cached, hashes)
+                if seq.group.num_cached_tokens is None and seq.index == 0:
+                    seq.group.num_cached_tokens = seq.num_computed
+            self.bm.allocate(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+            budget -= n
+        return out
+
+    @staticmethod
+    def _needs_all_prompt_logits(seq: Sequence) -> bool:
+        # Prompt logprobs need logits at every prompt position: skip the cache for them.
+        return seq.group.params.prompt_logprobs is not None and seq.index == 0 and (
+            seq.num_computed < seq.num_prompt_tokens
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance computed counts after the step ran and publish newly full blocks."""
+        for s in out.scheduled:
+            s.seq.num_computed += s.num_tokens
+            self.bm.register_full_blocks(s.seq)
+
+    def fork_samples(self, parent: Sequence) -> None:
+        """Release samples 1..n-1 of `parent`'s request, sharing its computed prompt blocks."""
+        # Share only blocks made of prompt tokens, and leave one token for each child
+        # to compute itself so it samples its own first token.
+        k = (parent.num_prompt_tokens - 1) // self.bm.block_size
+        for child in parent.group.seqs[1:]:
+            if child.status is SeqStatus.PENDING_FORK:
+                self.bm.fork(parent, child, k)
+                child.status = SeqStatus.WAITING
+                self.waiting.appendleft(child)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence and free its blocks (cached blocks stay revivable)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        if seq.status is not SeqStatus.FINISHED:
+            self.bm.free_seq(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

@@ -1,0 +1,99 @@
+"""Request state the scheduler and engine share: a request group and its sample sequences."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    PENDING_FORK = "pending_fork"  # a sample n>1 waiting for sample 0 to finish the prompt
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One sample of a request: its tokens, how many have KV computed, and its block table.
+
+    Tokens at index >= `num_computed` have no KV yet. Each step computes a span of them; when
+    the span reaches the last token, the step samples a new one. Prefill, chunked prefill,
+    decode and recompute after preemption are all the same operation.
+    """
+
+    def __init__(self, group: RequestGroup, index: int):
+        self.seq_id = next(_seq_ids)
+        self.group = group
+        self.index = index
+        self.token_ids: list[int] = list(group.prompt_token_ids)
+        self.num_prompt_tokens = len(group.prompt_token_ids)
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hashes of this sequence's full, computed blocks
+        self.status = SeqStatus.WAITING if index == 0 else SeqStatus.PENDING_FORK
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if group.params.logprobs is not None or group.params.logprob_token_ids else None
+        )
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""
+        self.generator: torch.Generator | None = None  # set by the engine for seeded requests
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def extra_keys(self, block_index: int) -> tuple:
+        """What besides tokens shapes the KV of this block (hook for steering, patches, adapters)."""
+        return self.group.cache_salt
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.group.request_id}#{self.index}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed}, {self.status.value})"
+        )
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """A user request: one prompt, its sampling params, and `params.n` sample sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: tuple = ()
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def __post_init__(self) -> None:
+        self.seqs = [Sequence(self, i) for i in range(self.params.n)]
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,130 @@
+"""The engine against Hugging Face transformers on the same tiny checkpoint (float32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from tests.conftest import ARCHS
+from tests.oracle import hf_greedy, hf_logprobs
+
+PROMPT_LENS = (5, 17, 33, 50)
+GEN = 32
+
+
+def _prompts(seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request, tiny_checkpoint):
+    path = tiny_checkpoint(request.param)
+    prompts = _prompts()
+    expected = [hf_greedy(path, p, GEN) for p in prompts]
+    return request.param, path, prompts, expected
+
+
+GREEDY = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+
+
+def test_prompt_logprobs_match_transformers(arch_case):
+    _, path, prompts, _ = arch_case
+    llm = LLM(path, device="cpu", dtype="float32")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = hf_logprobs(path, prompt)
+        assert out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            got = out.prompt_logprobs[pos]
+            row = ref[pos - 1]
+            assert got[prompt[pos]] == pytest.approx(float(row[prompt[pos]]), abs=1e-4)
+            top_vals, top_ids = row.topk(5)
+            for t, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True):
+                assert got[t] == pytest.approx(v, abs=1e-4)
+
+
+def test_greedy_batch_at_once(arch_case):
+    _, path, prompts, expected = arch_case
+    llm = LLM(path, device="cpu", dtype="float32")
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_generated_logprobs_match_transformers(arch_case):
+    _, path, prompts, expected = arch_case
+    llm = LLM(path, device="cpu", dtype="float32")
+    probe = [3, 7, 100]
+    out = llm.generate(
+        [prompts[1]],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3,
+                       logprob_token_ids=probe),
+    )[0]
+    full = prompts[1] + out.outputs[0].token_ids
+    ref = hf_logprobs(path, full)
+    for step, d in enumerate(out.outputs[0].logprobs):
+        row = ref[len(prompts[1]) - 1 + step]
+        for t in [*probe, out.outputs[0].token_ids[step], *row.topk(3).indices.tolist()]:
+            assert d[t] == pytest.approx(float(row[t]), abs=1e-4)
+
+
+def _run_staggered(engine: LLMEngine, prompts, params, gap: int) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % gap == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return done
+
+
+def test_greedy_staggered(arch_case):
+    _, path, prompts, expected = arch_case
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"))
+    done = _run_staggered(engine, prompts, GREEDY, gap=3)
+    assert [done[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_greedy_chunked_prefill(arch_case):
+    _, path, prompts, expected = arch_case
+    engine = LLMEngine(
+        path, EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=7)
+    )
+    done = _run_staggered(engine, prompts, GREEDY, gap=2)
+    assert [done[str(i)] for i in range(len(prompts))] == expected
+    assert engine.stats()["num_steps"] > sum(PROMPT_LENS) // 7  # prompts really were chunked
+
+
+def test_greedy_under_preemption(arch_case):
+    _, path, prompts, expected = arch_case
+    # 12 blocks of 8 tokens = 96 slots; the four requests need 50+32 tokens at most each.
+    llm = LLM(path, device="cpu", dtype="float32", block_size=8, num_kv_blocks=12)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.stats()["num_preemptions"] > 0
+
+
+def test_prefix_cache_hit_same_tokens(arch_case):
+    _, path, _, _ = arch_case
+    rng = random.Random(1)
+    prefix = [rng.randrange(8, 512) for _ in range(64)]
+    a = prefix + [rng.randrange(8, 512) for _ in range(9)]
+    b = prefix + [rng.randrange(8, 512) for _ in range(5)]
+    cached = LLM(path, device="cpu", dtype="float32")
+    cached.generate([a], GREEDY)
+    hit = cached.generate([b], GREEDY)[0]
+    assert hit.num_cached_tokens >= 48
+    uncached = LLM(path, device="cpu", dtype="float32", enable_prefix_caching=False)
+    miss = uncached.generate([b], GREEDY)[0]
+    assert miss.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    assert torch.equal(torch.tensor(hit.outputs[0].token_ids), torch.tensor(miss.outputs[0].token_ids))
