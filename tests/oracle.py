@@ -27,7 +27,9 @@ def hf_logprobs(model_dir: Path, ids: list[int], dtype=torch.float32, device="cp
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: Path, ids: list[int], n: int, dtype=torch.float32, device="cpu") -> list[int]:
+def hf_greedy(
+    model_dir: Path, ids: list[int], n: int, dtype=torch.float32, device="cpu"
+) -> list[int]:
     """n greedy tokens by full re-forward each step: slow, and obviously right."""
     model = hf_model(model_dir, dtype, device)
     seq = list(ids)

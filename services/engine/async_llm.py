@@ -45,8 +45,9 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after each step; the last one has `finished=True`.
 
-        Bad input raises here, before anything is queued. Leaving the iteration early (the
-        client went away) aborts the request and frees its KV blocks.
+        Bad input raises here, before anything is queued. Closing the generator early
+        (`aclose()`, e.g. via `contextlib.aclosing`, when the client went away) aborts the
+        request and frees its KV blocks.
         """
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")

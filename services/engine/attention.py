@@ -111,7 +111,7 @@ class SdpaBackend(AttentionBackend):
         k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
 
-        r, s = meta.gather_slots.shape
+        r = meta.gather_slots.shape[0]
         lq = meta.query_pos.shape[1]
         hq = q.shape[1]
         q_pad = q.new_zeros(r * lq, hq, d)

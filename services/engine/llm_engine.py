@@ -28,7 +28,7 @@ from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.parallel import SINGLE_PROCESS, ParallelContext
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import RequestGroup, Sequence, SeqStatus
+from services.engine.sequence import RequestGroup, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,12 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
         self.runner = ModelRunner(
-            self.model_dir, self.model_config, self.device, self.dtype, cfg.block_size, ctx,
+            self.model_dir,
+            self.model_config,
+            self.device,
+            self.dtype,
+            cfg.block_size,
+            ctx,
             seed=cfg.seed,
         )
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
@@ -130,6 +135,12 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the prompt has {len(prompt_ids)} tokens but the model's context is "
                 f"{self.max_model_len} (the prompt plus at least one generated token must fit)"
+            )
+        cfg = self.config
+        if not cfg.enable_chunked_prefill and len(prompt_ids) > cfg.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens, more than max_num_batched_tokens="
+                f"{cfg.max_num_batched_tokens}, and chunked prefill is off"
             )
         for name in ("logprob_token_ids", "stop_token_ids"):
             bad = [t for t in getattr(params, name) if t >= vocab]
@@ -219,15 +230,13 @@ class LLMEngine:
         params = seq.group.params
         prev_len = len(seq.text)
         seq.text = self._decode(seq)
-        if token in seq.group.eos_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif token in params.stop_token_ids:
+        if token in seq.group.eos_token_ids or token in params.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
         elif params.stop and self._check_stop_strings(seq, prev_len):
             pass
-        elif params.max_tokens is not None and seq.num_generated >= params.max_tokens:
-            self.scheduler.finish(seq, "length")
-        elif seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens >= self.max_model_len or (
+            params.max_tokens is not None and seq.num_generated >= params.max_tokens
+        ):
             self.scheduler.finish(seq, "length")
 
     def _decode(self, seq: Sequence) -> str:

@@ -21,7 +21,9 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask logits outside each row's top-k and nucleus (top-p); k == 0 and p == 1 mean off."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     v = logits.shape[-1]
@@ -49,9 +51,10 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=device)
-        x = logits[rows] / torch.tensor(
-            [params[i].temperature for i in random_rows], device=device
-        )[:, None]
+        x = (
+            logits[rows]
+            / torch.tensor([params[i].temperature for i in random_rows], device=device)[:, None]
+        )
         top_k = torch.tensor([params[i].top_k for i in random_rows], device=device)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=device)
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.kv.block_manager import BlockManager
-from services.engine.sequence import RequestGroup, Sequence, SeqStatus
+from services.engine.sequence import RequestGroup, SeqStatus, Sequence
 
 
 @dataclass
@@ -124,8 +124,10 @@ class Scheduler:
     @staticmethod
     def _needs_all_prompt_logits(seq: Sequence) -> bool:
         # Prompt logprobs need logits at every prompt position: skip the cache for them.
-        return seq.group.params.prompt_logprobs is not None and seq.index == 0 and (
-            seq.num_computed < seq.num_prompt_tokens
+        return (
+            seq.group.params.prompt_logprobs is not None
+            and seq.index == 0
+            and (seq.num_computed < seq.num_prompt_tokens)
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -64,7 +64,7 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     def extra_keys(self, block_index: int) -> tuple:
-        """What besides tokens shapes the KV of this block (hook for steering, patches, adapters)."""
+        """What besides tokens shaped this block's KV (steering, patches, adapters)."""
         return self.group.cache_salt
 
     def __repr__(self) -> str:

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from services.engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from services.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import ARCHS
 from tests.oracle import hf_greedy, hf_logprobs
 
@@ -56,13 +56,14 @@ def test_greedy_batch_at_once(arch_case):
 
 
 def test_generated_logprobs_match_transformers(arch_case):
-    _, path, prompts, expected = arch_case
+    _, path, prompts, _ = arch_case
     llm = LLM(path, device="cpu", dtype="float32")
     probe = [3, 7, 100]
     out = llm.generate(
         [prompts[1]],
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3,
-                       logprob_token_ids=probe),
+        SamplingParams(
+            max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3, logprob_token_ids=probe
+        ),
     )[0]
     full = prompts[1] + out.outputs[0].token_ids
     ref = hf_logprobs(path, full)
@@ -96,9 +97,7 @@ def test_greedy_staggered(arch_case):
 
 def test_greedy_chunked_prefill(arch_case):
     _, path, prompts, expected = arch_case
-    engine = LLMEngine(
-        path, EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=7)
-    )
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=7))
     done = _run_staggered(engine, prompts, GREEDY, gap=2)
     assert [done[str(i)] for i in range(len(prompts))] == expected
     assert engine.stats()["num_steps"] > sum(PROMPT_LENS) // 7  # prompts really were chunked
@@ -127,4 +126,6 @@ def test_prefix_cache_hit_same_tokens(arch_case):
     miss = uncached.generate([b], GREEDY)[0]
     assert miss.num_cached_tokens == 0
     assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
-    assert torch.equal(torch.tensor(hit.outputs[0].token_ids), torch.tensor(miss.outputs[0].token_ids))
+    assert torch.equal(
+        torch.tensor(hit.outputs[0].token_ids), torch.tensor(miss.outputs[0].token_ids)
+    )

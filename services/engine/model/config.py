@@ -85,7 +85,12 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
         raise CheckpointError(
             f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)"
         )
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    for key in (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ):
         if key not in scaling:
             raise CheckpointError(f"llama3 rope_scaling is missing {key!r}")
     return RopeConfig(theta=theta, scaling=dict(scaling, rope_type="llama3"))
@@ -113,7 +118,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"config.json is missing {e.args[0]!r}") from None
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     if heads % kv_heads:
-        raise CheckpointError(f"num_attention_heads={heads} is not a multiple of kv heads={kv_heads}")
+        raise CheckpointError(
+            f"num_attention_heads={heads} is not a multiple of kv heads={kv_heads}"
+        )
     head_dim = int(raw.get("head_dim") or hidden // heads)
 
     is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -121,7 +128,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
         sliding = None  # Qwen configs carry a window they do not use unless asked to
     if sliding is not None and is_qwen2 and raw.get("max_window_layers", layers) < layers:
-        raise CheckpointError("Qwen2 per-layer sliding windows (max_window_layers) are not supported")
+        raise CheckpointError(
+            "Qwen2 per-layer sliding windows (max_window_layers) are not supported"
+        )
 
     return ModelConfig(
         architecture=arch,
@@ -159,7 +168,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return parse_model_config(raw)
 
 
-def llama3_inv_freq(inv_freq: "Any", scaling: dict[str, Any]) -> "Any":
+def llama3_inv_freq(inv_freq: Any, scaling: dict[str, Any]) -> Any:
     """Apply Llama 3.1 frequency scaling to `inv_freq` [head_dim/2], as transformers does."""
     import torch
 

@@ -8,7 +8,7 @@ intervention sites (`pre_attn`, `post_attn`, `post_block`) are real points in th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,6 @@ from torch import nn
 from services.engine.attention import AttentionBackend
 from services.engine.model.config import ModelConfig
 from services.engine.model.layers import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     RMSNorm,
@@ -107,7 +106,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     i in `ctx.layer_range(num_layers)`.
     """
 
-    PACKED_MODULES = {
+    PACKED_MODULES: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),

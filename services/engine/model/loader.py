@@ -46,12 +46,12 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     found = sorted(root.glob("*.safetensors"))
     if found:
         return found
-    hint = " (PyTorch .bin weights are not supported; convert to safetensors)" if any(
-        root.glob("*.bin")
-    ) else ""
-    raise CheckpointError(
-        f"{root}: no model.safetensors or model.safetensors.index.json{hint}"
+    hint = (
+        " (PyTorch .bin weights are not supported; convert to safetensors)"
+        if any(root.glob("*.bin"))
+        else ""
     )
+    raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
 def iter_checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -73,7 +73,11 @@ def _target(model: LlamaFamilyForCausalLM, hf_name: str) -> list[tuple[str, obje
         if model.embed_tokens is not None:
             out.append(("embed_tokens.weight", None))
         # A tied head on a stage without the embedding still needs these weights.
-        if model.cfg.tie_word_embeddings and model.lm_head is not None and model.embed_tokens is None:
+        if (
+            model.cfg.tie_word_embeddings
+            and model.lm_head is not None
+            and model.embed_tokens is None
+        ):
             out.append(("lm_head.weight", None))
         return out
     if hf_name == "lm_head.weight":

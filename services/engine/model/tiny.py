@@ -167,9 +167,6 @@ def make_tiny_checkpoint(
     if intermediate < 1:
         raise ValueError(f"intermediate must be >= 1, got {intermediate}")
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
     tokenizer = Tokenizer.from_str(_trained_tokenizer_json(vocab, traits["tokenizer_family"]))
     special_ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     bos_id = special_ids[BOS] if traits["adds_bos"] else None
@@ -202,7 +199,11 @@ def make_tiny_checkpoint(
         seed=seed,
     )
     weights = {name: t.to(_DTYPES[dtype]).contiguous() for name, t in weights.items()}
+    if shards > len(weights):
+        raise ValueError(f"shards ({shards}) exceeds the number of tensors ({len(weights)})")
 
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_weights(out, weights, shards)
     _write_tokenizer_files(out, tokenizer, traits["adds_bos"], special_ids, max_position_embeddings)
@@ -333,8 +334,6 @@ def _write_weights(out: pathlib.Path, weights: dict[str, torch.Tensor], shards: 
         save_file(weights, out / "model.safetensors", metadata=metadata)
         return
     names = list(weights)
-    if shards > len(names):
-        raise ValueError(f"shards ({shards}) exceeds the number of tensors ({len(names)})")
     sizes = {name: weights[name].numel() * weights[name].element_size() for name in names}
     total = sum(sizes.values())
     groups: list[list[str]] = [[]]
@@ -344,8 +343,10 @@ def _write_weights(out: pathlib.Path, weights: dict[str, torch.Tensor], shards: 
         shards_to_fill = shards - len(groups)
         # Close a shard once it holds its share of bytes, or when every later tensor is
         # needed to keep the remaining shards non-empty.
-        if groups[-1] and shards_to_fill > 0 and (
-            group_bytes * shards >= total or left_after == shards_to_fill
+        if (
+            groups[-1]
+            and shards_to_fill > 0
+            and (group_bytes * shards >= total or left_after == shards_to_fill)
         ):
             groups.append([])
             group_bytes = 0

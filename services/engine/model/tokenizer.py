@@ -1,4 +1,4 @@
-"""Tokenizer from `tokenizer.json`, special tokens and chat template from `tokenizer_config.json`."""
+"""Tokenizer from `tokenizer.json`; special tokens and chat template from its config file."""
 
 from __future__ import annotations
 
@@ -56,7 +56,9 @@ class Tokenizer:
     ) -> str:
         """Render a conversation to the prompt string the model was trained on."""
         if not self.chat_template:
-            raise InvalidRequestError("this checkpoint has no chat_template in tokenizer_config.json")
+            raise InvalidRequestError(
+                "this checkpoint has no chat_template in tokenizer_config.json"
+            )
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str) -> None:
@@ -74,7 +76,9 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template failed to render: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         # The template already spells out special tokens; don't add BOS twice.
         text = self.apply_chat_template(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,287 @@
+"""Engine behaviour a user would notice, on a real tiny checkpoint (CPU, float32)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+
+import pytest
+
+from services.common.errors import (
+    CheckpointError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestNotFoundError,
+    UnsupportedArchitectureError,
+)
+from services.engine import LLM, AsyncLLM, EngineConfig, LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["The harbour master kept a log", "Once upon a time", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Each prompt's greedy tokens when run by itself: the reference for batch isolation."""
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+# -- bad input --------------------------------------------------------------------------
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "message"),
+    [
+        ("", GREEDY, InvalidRequestError, "empty"),
+        ([], GREEDY, InvalidRequestError, "empty"),
+        ([1] * 600, GREEDY, PromptTooLongError, "600 tokens"),
+        ([1, 10**6], GREEDY, InvalidRequestError, "out of range"),
+        (
+            "hi",
+            SamplingParams(max_tokens=4, logprob_token_ids=[10**6]),
+            InvalidRequestError,
+            "logprob_token_ids",
+        ),
+        (3.5, GREEDY, InvalidRequestError, "string or a list of token ids"),
+    ],
+)
+def test_bad_request_is_rejected_and_the_batch_runs_on(
+    model_dir, alone, prompt, params, error, message
+):
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    engine.step()
+    engine.step()
+    with pytest.raises(error, match=message):
+        engine.add_request("bad", prompt, params)
+    assert "bad" not in engine.requests
+    done = _drain(engine)
+    assert [done[str(i)] for i in range(len(PROMPTS))] == alone
+
+
+def test_invalid_sampling_values_raise_before_anything_runs(llm):
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        llm.generate(PROMPTS, SamplingParams(top_p=0.0))
+    with pytest.raises(InvalidRequestError, match="prompt 1: the prompt is empty"):
+        llm.generate(["ok", ""], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_duplicate_and_unknown_request_ids(model_dir):
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu"))
+    engine.add_request("x", "hello", GREEDY)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("x", "hello", GREEDY)
+    with pytest.raises(RequestNotFoundError, match="nope"):
+        engine.abort("nope")
+
+
+def test_missing_and_broken_checkpoints(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama")
+    with pytest.raises(CheckpointError, match=r"does not exist|no config\.json"):
+        LLM(tmp_path / "nowhere", device="cpu")
+
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(src, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
+        LLM(no_weights, device="cpu")
+
+    sharded = tiny_checkpoint("llama", shards=3)
+    lost_shard = tmp_path / "lost_shard"
+    shutil.copytree(sharded, lost_shard)
+    victim = sorted(lost_shard.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=victim.name):
+        LLM(lost_shard, device="cpu")
+
+    missing_tensor = tmp_path / "missing_tensor"
+    shutil.copytree(src, missing_tensor)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(missing_tensor / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, missing_tensor / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        LLM(missing_tensor, device="cpu")
+
+    unknown = tmp_path / "unknown_arch"
+    shutil.copytree(src, unknown)
+    cfg = json.loads((unknown / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (unknown / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="Qwen3ForCausalLM"):
+        LLM(unknown, device="cpu")
+
+
+def test_sharded_and_bf16_checkpoints_load_to_the_same_model(tiny_checkpoint):
+    ref = LLM(tiny_checkpoint("llama"), device="cpu").generate(PROMPTS, GREEDY)
+    sharded = LLM(tiny_checkpoint("llama", shards=3), device="cpu").generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in ref]
+    # A bf16 checkpoint upcast to float32 runs; the weights differ only by rounding.
+    bf16 = LLM(tiny_checkpoint("llama", dtype="bfloat16"), device="cpu", dtype="float32")
+    out = bf16.generate(PROMPTS[:1], GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+# -- sampling features ------------------------------------------------------------------
+
+
+def test_stop_strings_token_ids_and_eos(model_dir, llm, alone, tmp_path):
+    ids = alone[0]
+    text = llm.tokenizer.decode(ids)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    assert len(out.token_ids) < len(ids)
+
+    out = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[ids[4]], ignore_eos=True),
+    )
+    got = out[0].outputs[0]
+    assert got.token_ids == ids[: ids.index(ids[4]) + 1]
+    assert got.finish_reason == "stop" and got.stop_reason == ids[4]
+
+    # EOS comes from generation_config.json; ignore_eos runs past it.
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(model_dir, eos_dir)
+    gen = json.loads((eos_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = [ids[3]]
+    (eos_dir / "generation_config.json").write_text(json.dumps(gen))
+    eos_llm = LLM(eos_dir, device="cpu")
+    stopped = eos_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0))
+    assert stopped[0].outputs[0].token_ids == ids[: ids.index(ids[3]) + 1]
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    assert eos_llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids == ids
+
+
+def test_seeds_are_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=42)
+    solo = llm.generate([PROMPTS[0]], p)[0].outputs[0].token_ids
+    others = SamplingParams(max_tokens=10, temperature=1.0)
+    batched = llm.generate(PROMPTS, [p, others, others])[0].outputs[0].token_ids
+    assert solo == batched
+    other_seed = (
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=1.0, seed=43))[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert other_seed != solo
+
+
+def test_n_samples_share_prompt_blocks(model_dir, alone):
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", enable_prefix_caching=False))
+    prompt = " ".join(PROMPTS * 3)  # > 2 blocks
+    engine.add_request("r", prompt, SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1))
+    engine.step()  # prefill of sample 0; samples 1, 2 fork off its prompt blocks
+    seqs = engine.requests["r"].seqs
+    shared = seqs[0].block_table[:2]
+    assert all(s.block_table[:2] == shared for s in seqs)
+    assert all(engine.block_manager.ref_counts[b] == 3 for b in shared)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final.finished and len(final.outputs) == 3
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1  # independent samples
+    greedy = LLMEngine(model_dir, EngineConfig(device="cpu"))
+    greedy.add_request(
+        "g", PROMPTS[0], SamplingParams(n=2, max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+    done = []
+    while greedy.has_unfinished_requests():
+        done += [o for o in greedy.step() if o.finished]
+    assert [c.token_ids for c in done[0].outputs] == [alone[0], alone[0]]
+
+
+def test_prompt_logprobs_are_complete_even_on_a_cache_hit(llm):
+    p = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    long = " ".join(PROMPTS * 4)
+    first = llm.generate([long], p)[0]
+    second = llm.generate([long], p)[0]
+    assert len(second.prompt_logprobs) == len(second.prompt_token_ids)
+    assert second.prompt_logprobs == first.prompt_logprobs
+
+
+def test_abort_frees_every_block(model_dir):
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", enable_prefix_caching=False))
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    out = engine.abort("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    _drain(engine)
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+
+
+def test_chat_template_encoding_matches_transformers(model_dir, llm):
+    from transformers import AutoTokenizer
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    expected = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected, list):  # transformers 5 returns a BatchEncoding
+        expected = expected["input_ids"]
+    assert llm.tokenizer.encode_chat(msgs) == list(expected)
+    out = llm.chat(msgs, GREEDY)[0]
+    assert out.prompt_token_ids == list(expected)
+
+
+def test_async_llm_streams_and_matches_offline(model_dir, alone):
+    async def main():
+        llm = AsyncLLM(model_dir, device="cpu")
+        try:
+
+            async def collect(p):
+                seen = []
+                async for out in llm.generate(p, GREEDY):
+                    seen.append(len(out.outputs[0].token_ids))
+                return seen, out
+
+            results = await asyncio.gather(*(collect(p) for p in PROMPTS))
+            # Closing a stream early aborts the request and frees its blocks.
+            long = SamplingParams(max_tokens=100, ignore_eos=True)
+            async with contextlib.aclosing(llm.generate(PROMPTS[0], long)) as stream:
+                async for _ in stream:
+                    break
+            with pytest.raises(InvalidRequestError):
+                async for _ in llm.generate("", GREEDY):
+                    pass
+            return results, llm.stats()
+        finally:
+            llm.shutdown()
+
+    results, stats = asyncio.run(main())
+    for (lengths, final), ref in zip(results, alone, strict=True):
+        assert lengths == sorted(lengths) and lengths[-1] == len(ref) and len(lengths) > 1
+        assert final.finished and final.outputs[0].token_ids == ref
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0

@@ -1,0 +1,111 @@
+"""Scheduling decisions, without a model: budgets, chunking, admission, preemption."""
+
+from __future__ import annotations
+
+from services.engine.kv.block_manager import BlockManager
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import RequestGroup, SeqStatus
+
+
+def _group(rid: str, n_tokens: int, **params) -> RequestGroup:
+    # Distinct tokens per request, so no prefix-cache hits unless a test wants them.
+    first = 1000 * (ord(rid[0]) - ord("a") + 1)
+    tokens = list(range(first, first + n_tokens))
+    return RequestGroup(rid, None, tokens, SamplingParams(**params), 0.0)
+
+
+def _step(sched: Scheduler, sampled: int = 7):
+    """Schedule, pretend the model ran, and append a token to every sampling sequence."""
+    out = sched.schedule()
+    sched.update(out)
+    for s in out.scheduled:
+        if s.seq.num_computed == s.seq.num_tokens:
+            s.seq.token_ids.append(sampled)
+    return out
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(_group("a", 25))
+    spans = [[(s.start, s.num_tokens) for s in _step(sched).scheduled] for _ in range(4)]
+    assert spans == [[(0, 10)], [(10, 10)], [(20, 5)], [(25, 1)]]
+
+
+def test_decodes_first_then_new_prefills_share_the_budget():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(_group("a", 6))
+    _step(sched)
+    sched.add(_group("b", 20))
+    out = _step(sched)
+    assert [(s.seq.group.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_caps_running():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for rid in "abc":
+        sched.add(_group(rid, 3))
+    out = _step(sched)
+    assert {s.seq.group.request_id for s in out.scheduled} == {"a", "b"}
+    assert len(sched.waiting) == 1
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched = Scheduler(
+        BlockManager(64, 4),
+        max_num_seqs=8,
+        max_num_batched_tokens=10,
+        enable_chunked_prefill=False,
+    )
+    sched.add(_group("a", 4))
+    sched.add(_group("b", 8))
+    out = _step(sched)
+    assert [s.seq.group.request_id for s in out.scheduled] == ["a"]  # b (8) > 10 - 4
+    out = _step(sched)
+    assert [(s.seq.group.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 8)]
+
+
+def test_preemption_recomputes_latest_admitted_first():
+    bm = BlockManager(4, 4)  # 16 slots
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _group("a", 7), _group("b", 7)
+    sched.add(a)
+    sched.add(b)
+    _step(sched)  # both prefilled: 2 blocks each, every block in use
+    assert bm.num_free_blocks == 0
+    _step(sched)  # both decode into their 8th slot: still fits
+    out = _step(sched)  # a needs a 3rd block: b is preempted
+    assert out.preempted == [b.seqs[0]]
+    assert b.seqs[0].status is SeqStatus.WAITING and b.seqs[0].num_computed == 0
+    assert b.seqs[0].num_tokens == 9  # its generated tokens are kept, to be recomputed
+    assert sched.num_preemptions == 1
+    assert sched.waiting[0] is b.seqs[0]
+
+
+def test_waiting_request_starts_on_prefix_cache_hits():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    a = _group("a", 9)
+    sched.add(a)
+    _step(sched)
+    b = RequestGroup("b", None, [*a.prompt_token_ids[:8], 5, 6], SamplingParams(), 0.0)
+    sched.add(b)
+    out = _step(sched)
+    assert [(s.start, s.num_tokens) for s in out.scheduled if s.seq.group is b] == [(8, 2)]
+    assert b.num_cached_tokens == 8
+
+
+def test_finish_frees_blocks_and_forks_share_prompt_blocks():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    g = _group("a", 10, n=3)
+    sched.add(g)
+    _step(sched)
+    sched.fork_samples(g.seqs[0])
+    for child in g.seqs[1:]:
+        assert child.block_table == g.seqs[0].block_table[:2]
+        assert child.num_computed == 8  # recomputes only the partial last prompt block
+    out = _step(sched)
+    assert sorted(s.num_tokens for s in out.scheduled) == [1, 2, 2]
+    for seq in g.seqs:
+        sched.finish(seq, "abort")
+    assert bm.num_free_blocks == 16 and not sched.running and not sched.waiting
