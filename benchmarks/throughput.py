@@ -43,14 +43,20 @@ class Preset:
     hf_batch_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    gpu_memory_utilization: float = 0.85  # the engine's default
 
 
 PRESETS = {
     # ~4M parameters: the whole run takes about a minute on 2 CPU cores.
     "cpu": Preset(
         checkpoint=dict(
-            layers=4, hidden=256, heads=8, kv_heads=4, vocab=2048,
-            max_position_embeddings=1024, dtype="float32",
+            layers=4,
+            hidden=256,
+            heads=8,
+            kv_heads=4,
+            vocab=2048,
+            max_position_embeddings=1024,
+            dtype="float32",
         ),
         num_seqs=32,
         input_range=(16, 128),
@@ -62,8 +68,14 @@ PRESETS = {
     # ~0.9B parameters (Llama shape, bf16): nano-vllm's bench.py scaled to one GPU.
     "gpu": Preset(
         checkpoint=dict(
-            layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, vocab=32000,
-            max_position_embeddings=4096, dtype="bfloat16",
+            layers=16,
+            hidden=2048,
+            heads=16,
+            kv_heads=8,
+            intermediate=5632,
+            vocab=32000,
+            max_position_embeddings=4096,
+            dtype="bfloat16",
         ),
         num_seqs=256,
         input_range=(100, 1024),
@@ -71,8 +83,12 @@ PRESETS = {
         hf_batch_size=32,
         max_num_seqs=256,
         max_num_batched_tokens=16384,
+        # The whole workload needs ~18 GiB of KV. The rest stays free for activations: a step
+        # that mixes decodes with a prefill chunk pads every request's queries to the chunk's
+        # length in the SDPA backend (~256 x 1024 queries over ~1024 keys at the worst step).
+        gpu_memory_utilization=0.4,
     ),
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -122,25 +138,33 @@ def sync(device: torch.device) -> None:
 
 
 def load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
+    """The checkpoint as a transformers model whose generation defaults are plain greedy."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    # generate() fills every setting we leave unset from the checkpoint's generation_config,
+    # which may carry a repetition penalty or the like: keep only its padding id.
+    candidates = (model.generation_config.pad_token_id, model.config.pad_token_id, 0)
+    pad_id = next(t for t in candidates if t is not None)
+    model.generation_config = GenerationConfig(pad_token_id=pad_id)
+    return model
 
 
 def hf_generate(
     model: Any, prompts: list[list[int]], max_new: int, device: torch.device
 ) -> torch.Tensor:  # [B, max_new] the new token ids
-    """One left-padded greedy batch; EOS cannot end it early (min_new_tokens == max_new)."""
+    """One left-padded greedy batch of exactly `max_new` new tokens per row, like ignore_eos.
+
+    It passes no EOS ids: min_new_tokens alone also prevents early stops, but by masking the
+    EOS logits, so HF would pick another token wherever EOS is the argmax. min_new_tokens stays
+    as a guard in case a transformers version fills the empty EOS list from the model's.
+    """
     from transformers import GenerationConfig
 
-    gen = model.generation_config
-    pad_id = next(
-        (t for t in (gen.pad_token_id, model.config.pad_token_id, gen.eos_token_id) if t is not None),
-        0,
-    )
-    pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
+    pad_id = model.generation_config.pad_token_id  # any id would do: the mask hides it
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -152,7 +176,7 @@ def hf_generate(
         min_new_tokens=max_new,
         do_sample=False,
         pad_token_id=pad_id,
-        eos_token_id=gen.eos_token_id,
+        eos_token_id=[],
     )
     with torch.inference_mode():
         out = model.generate(
@@ -175,6 +199,14 @@ def run_hf(model: Any, work: Workload, batch_size: int, device: torch.device) ->
     seconds = time.perf_counter() - start
     generated = sum(len(o) for o in outputs)
     return RunResult("hf-generate", len(work.prompts), generated, seconds, outputs)
+
+
+def hf_output_positions(work: Workload, batch_size: int) -> int:
+    """Output positions HF computes: every row of a batch runs to the batch's longest output."""
+    return sum(
+        len(work.output_lens[b : b + batch_size]) * max(work.output_lens[b : b + batch_size])
+        for b in range(0, len(work.output_lens), batch_size)
+    )
 
 
 def hf_decode_tokens_per_s(
@@ -282,6 +314,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, help="Coxswain's max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, help="Coxswain's token budget per step")
     p.add_argument(
+        "--gpu-memory-utilization", type=float, help="share of free CUDA memory for Coxswain's KV"
+    )
+    p.add_argument(
         "--roofline",
         action=argparse.BooleanOptionalAction,
         help="batch-1 decode vs the bandwidth roofline (default: on for CUDA only)",
@@ -306,6 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "hf_batch_size": preset.hf_batch_size,
         "max_num_seqs": preset.max_num_seqs,
         "max_num_batched_tokens": preset.max_num_batched_tokens,
+        "gpu_memory_utilization": preset.gpu_memory_utilization,
         "dtype": "bfloat16" if args.device.type == "cuda" else "float32",
         "roofline": args.device.type == "cuda",
     }
@@ -346,7 +382,10 @@ def main(argv: list[str] | None = None) -> None:
         bench(args, model_dir, device, dtype)
 
 
-def bench(args: argparse.Namespace, model_dir: Path, device: torch.device, dtype: torch.dtype):
+def bench(
+    args: argparse.Namespace, model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Run the workload through HF (unless skipped), then Coxswain, and print the results."""
     cfg = load_model_config(model_dir)
     if args.max_input + args.max_output > cfg.max_position_embeddings:
         raise SystemExit(
@@ -355,9 +394,12 @@ def bench(args: argparse.Namespace, model_dir: Path, device: torch.device, dtype
         )
     rng = random.Random(args.seed)
     work = make_workload(
-        rng, args.num_seqs, cfg.vocab_size,
-        (args.min_input, args.max_input), (args.min_output, args.max_output),
-    )  # fmt: skip
+        rng,
+        args.num_seqs,
+        cfg.vocab_size,
+        (args.min_input, args.max_input),
+        (args.min_output, args.max_output),
+    )
     warmup = make_workload(rng, min(4, args.num_seqs), cfg.vocab_size, (8, 32), (8, 16))
     b1_prompt = make_workload(rng, 1, cfg.vocab_size, (16, 16), (1, 1)).prompts[0]
     print(
@@ -393,6 +435,7 @@ def bench(args: argparse.Namespace, model_dir: Path, device: torch.device, dtype
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
     )
     run_coxswain(llm, warmup, device)
@@ -412,17 +455,18 @@ def bench(args: argparse.Namespace, model_dir: Path, device: torch.device, dtype
         f"{stats['num_preemptions']} preemptions, {stats['num_kv_blocks']} KV blocks of "
         f"{stats['config']['block_size']}, max_num_seqs {args.max_num_seqs}, "
         f"max_num_batched_tokens {args.max_num_batched_tokens}"
+        + (
+            f", gpu_memory_utilization {args.gpu_memory_utilization}"
+            if device.type == "cuda"
+            else ""
+        )
     )
     if not args.skip_hf:
         hf = results[0]
-        computed = sum(
-            len(work.prompts[b : b + args.hf_batch_size]) * max(work.output_lens[b : b + args.hf_batch_size])
-            for b in range(0, args.num_seqs, args.hf_batch_size)
-        )
         print(
             f"hf-generate: batches of {args.hf_batch_size}, left-padded; each batch decodes its "
-            f"longest output, so it computed {computed} output positions but is credited only "
-            f"each request's own {hf.generated_tokens} tokens"
+            f"longest output, so it computed {hf_output_positions(work, args.hf_batch_size)} "
+            f"output positions but is credited only each request's own {hf.generated_tokens} tokens"
         )
         print(f"greedy outputs identical in {agreement(hf, cox)}/{len(work.prompts)} requests")
 
@@ -441,7 +485,9 @@ def bench(args: argparse.Namespace, model_dir: Path, device: torch.device, dtype
             f"({cox_b1 / roof:.1%} of roofline, {args.decode_tokens} output tokens)"
         )
         if hf_b1 is not None:
-            print(f"hf-generate batch-1 decode: {hf_b1:.1f} tokens/s ({hf_b1 / roof:.1%} of roofline)")
+            print(
+                f"hf-generate batch-1 decode: {hf_b1:.1f} tokens/s ({hf_b1 / roof:.1%} of roofline)"
+            )
 
     print()
     if args.skip_hf:

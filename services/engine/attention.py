@@ -8,6 +8,7 @@ touching the model.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ class StepAttentionInputs:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # The same two on the host, so backends can plan without a device sync.
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
 
 
 class AttentionBackend(ABC):
@@ -51,80 +55,121 @@ class AttentionBackend(ABC):
 
 
 @dataclass
-class _SdpaMeta:
-    inputs: StepAttentionInputs
-    token_dest: torch.Tensor  # [T] index of each token in the padded [R * Lq] query layout
-    gather_slots: torch.Tensor  # [R, S] flat KV slot of each request's key position
-    query_pos: torch.Tensor  # [R, Lq] absolute position of each padded query (-1: padding)
-    key_pos: torch.Tensor  # [S]
-    valid_keys: torch.Tensor  # [R, 1, 1, S]
-    masks: dict[int | None, torch.Tensor]  # per sliding window: [R, 1, Lq, S] bool
+class _SdpaGroup:
+    """Requests attended in one SDPA call: all decodes together, or one prefill alone."""
+
+    rows: torch.Tensor  # [Tg] rows of the step batch this group's tokens occupy
+    token_dest: torch.Tensor  # [Tg] index of each token in the padded [Rg * Lq] query layout
+    num_reqs: int
+    max_query_len: int
+    gather_slots: torch.Tensor | None  # [Rg, S] flat KV slot per key; None: fresh prefill
+    query_pos: torch.Tensor  # [Rg, Lq] absolute position of each padded query (-1: padding)
+    valid_keys: torch.Tensor  # [Rg, 1, 1, S]
+    masks: dict[int | None, torch.Tensor]  # per sliding window: [Rg, 1, Lq, S] bool
+
+
+@dataclass
+class _SdpaStep:
+    slot_mapping: torch.Tensor  # [T]
+    groups: list[_SdpaGroup]
 
 
 class SdpaBackend(AttentionBackend):
-    """Pads the step's requests into [R, Lq] queries and [R, S] gathered keys, then one
-    `scaled_dot_product_attention` call per layer. Runs on CPU and CUDA."""
+    """`scaled_dot_product_attention` over keys gathered from the paged cache.
 
-    def prepare(self, inputs: StepAttentionInputs) -> _SdpaMeta:
-        qsl = inputs.query_start_loc
-        device = qsl.device
-        r = qsl.numel() - 1
-        lq, s = inputs.max_query_len, inputs.max_seq_len
-        q_lens = qsl[1:] - qsl[:-1]  # [R]
-        t = int(qsl[-1])
-        req_of_token = torch.repeat_interleave(torch.arange(r, device=device), q_lens)
-        offset_in_req = torch.arange(t, device=device) - qsl[:-1][req_of_token]
-        token_dest = req_of_token * lq + offset_in_req
+    Decode tokens of all requests go in one call (one query each, keys padded to the longest
+    context); each prefill chunk gets its own call, so padding never multiplies a long chunk
+    by the batch size. A prefill with no cached context attends its own fresh K/V with
+    `is_causal`, which lets CUDA use a flash kernel. Runs on CPU and CUDA.
+    """
 
-        key_pos = torch.arange(s, device=device)
-        block_idx = (key_pos // inputs.block_size).clamp(max=inputs.block_tables.shape[1] - 1)
-        gather_slots = inputs.block_tables[:, block_idx] * inputs.block_size + (
-            key_pos % inputs.block_size
-        )  # [R, S]
-        first_q = inputs.seq_lens - q_lens  # absolute position of each request's first query
-        i = torch.arange(lq, device=device)
-        query_pos = torch.where(
-            i[None, :] < q_lens[:, None], first_q[:, None] + i[None, :], torch.full_like(i, -1)
+    def prepare(self, inputs: StepAttentionInputs) -> _SdpaStep:
+        qsl, seq_lens = inputs.query_start_loc_host, inputs.seq_lens_host
+        q_lens = [b - a for a, b in itertools.pairwise(qsl)]
+        decodes = [r for r, n in enumerate(q_lens) if n == 1]
+        groups = [decodes] if decodes else []
+        groups += [[r] for r, n in enumerate(q_lens) if n > 1]
+        return _SdpaStep(
+            inputs.slot_mapping, [self._group(inputs, g, qsl, q_lens, seq_lens) for g in groups]
         )
-        valid_keys = (key_pos[None, :] < inputs.seq_lens[:, None])[:, None, None, :]
-        return _SdpaMeta(inputs, token_dest, gather_slots, query_pos, key_pos, valid_keys, {})
 
     @staticmethod
-    def _mask(meta: _SdpaMeta, window: int | None) -> torch.Tensor:
-        if window not in meta.masks:
-            qp = meta.query_pos[:, None, :, None]  # [R, 1, Lq, 1]
-            kp = meta.key_pos[None, None, None, :]
-            allowed = (kp <= qp) & meta.valid_keys
+    def _group(inputs, reqs, qsl, q_lens, seq_lens) -> _SdpaGroup:
+        device = inputs.query_start_loc.device
+        lq = max(q_lens[r] for r in reqs)
+        s = max(seq_lens[r] for r in reqs)
+        rows = [qsl[r] + i for r in reqs for i in range(q_lens[r])]
+        dest = [j * lq + i for j, r in enumerate(reqs) for i in range(q_lens[r])]
+        first = [seq_lens[r] - q_lens[r] for r in reqs]
+        qpos = [
+            [first[j] + i if i < q_lens[r] else -1 for i in range(lq)] for j, r in enumerate(reqs)
+        ]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+        fresh = len(reqs) == 1 and first[0] == 0
+        gather = None
+        if not fresh:
+            key_pos = torch.arange(s, device=device)
+            block_idx = key_pos // inputs.block_size
+            tables = inputs.block_tables[as_tensor(reqs)][:, block_idx]  # [Rg, S]
+            gather = tables * inputs.block_size + key_pos % inputs.block_size
+        lens = as_tensor([seq_lens[r] for r in reqs])
+        valid = (torch.arange(s, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return _SdpaGroup(
+            as_tensor(rows), as_tensor(dest), len(reqs), lq, gather, as_tensor(qpos), valid, {}
+        )
+
+    @staticmethod
+    def _mask(g: _SdpaGroup, window: int | None) -> torch.Tensor:
+        if window not in g.masks:
+            qp = g.query_pos[:, None, :, None]  # [Rg, 1, Lq, 1]
+            kp = torch.arange(g.valid_keys.shape[-1], device=qp.device)[None, None, None, :]
+            allowed = (kp <= qp) & g.valid_keys
             if window is not None:
                 allowed &= (qp - kp) < window
             # Padding queries attend key 0 so softmax has no empty row (their output is dropped).
             allowed[..., 0] |= qp[..., 0] < 0
-            meta.masks[window] = allowed
-        return meta.masks[window]
+            g.masks[window] = allowed
+        return g.masks[window]
 
-    def forward(self, q, k, v, kv_cache, meta: _SdpaMeta, scale, sliding_window):
+    def forward(self, q, k, v, kv_cache, meta: _SdpaStep, scale, sliding_window):
         k_cache, v_cache = kv_cache
         hkv, d = k_cache.shape[-2:]
         k_flat = k_cache.view(-1, hkv, d)
         v_flat = v_cache.view(-1, hkv, d)
-        slots = meta.inputs.slot_mapping
+        slots = meta.slot_mapping
         k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
 
-        r = meta.gather_slots.shape[0]
-        lq = meta.query_pos.shape[1]
         hq = q.shape[1]
-        q_pad = q.new_zeros(r * lq, hq, d)
-        q_pad.index_copy_(0, meta.token_dest, q)
-        q_pad = q_pad.view(r, lq, hq, d).transpose(1, 2)  # [R, Hq, Lq, D]
-        keys = k_flat[meta.gather_slots].transpose(1, 2)  # [R, Hkv, S, D]
-        values = v_flat[meta.gather_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q_pad,
-            keys,
-            values,
-            attn_mask=self._mask(meta, sliding_window),
-            scale=scale,
-            enable_gqa=hq != hkv,
-        )  # [R, Hq, Lq, D]
-        return out.transpose(1, 2).reshape(r * lq, hq, d)[meta.token_dest]
+        gqa = hq != hkv
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            if g.gather_slots is None and sliding_window is None:
+                # A prefill from position 0: its keys are exactly this chunk's k/v.
+                qg = q[g.rows].transpose(0, 1)[None]  # [1, Hq, L, D]
+                kg = k[g.rows].transpose(0, 1)[None]
+                vg = v[g.rows].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(
+                    qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa
+                )
+                out[g.rows] = o[0].transpose(0, 1)
+                continue
+            r, lq = g.num_reqs, g.max_query_len
+            gather = g.gather_slots
+            if gather is None:  # fresh prefill under a sliding window: keys are its own slots
+                gather = slots[g.rows][None, :]
+            q_pad = q.new_zeros(r * lq, hq, d)
+            q_pad.index_copy_(0, g.token_dest, q[g.rows])
+            q_pad = q_pad.view(r, lq, hq, d).transpose(1, 2)  # [Rg, Hq, Lq, D]
+            keys = k_flat[gather].transpose(1, 2)  # [Rg, Hkv, S, D]
+            values = v_flat[gather].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q_pad,
+                keys,
+                values,
+                attn_mask=self._mask(g, sliding_window),
+                scale=scale,
+                enable_gqa=gqa,
+            )  # [Rg, Hq, Lq, D]
+            out[g.rows] = o.transpose(1, 2).reshape(r * lq, hq, d)[g.token_dest]
+        return out

@@ -229,7 +229,7 @@ class LLMEngine:
             seq.logprobs.append(logprobs or {})
         params = seq.group.params
         prev_len = len(seq.text)
-        seq.text = self._decode(seq)
+        seq.text += self._decode_increment(seq)
         if token in seq.group.eos_token_ids or token in params.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
         elif params.stop and self._check_stop_strings(seq, prev_len):
@@ -239,12 +239,21 @@ class LLMEngine:
         ):
             self.scheduler.finish(seq, "length")
 
-    def _decode(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(
-            seq.generated_ids, skip_special_tokens=seq.group.params.skip_special_tokens
-        )
-        # A byte-level BPE token can end mid-character: hold back the partial character.
-        return text[:-1] if text.endswith("\ufffd") else text
+    def _decode_increment(self, seq: Sequence) -> str:
+        """The text the newest token adds, decoding only a short window of recent tokens.
+
+        Both strings are decoded from the same starting token, so tokenizers that drop a
+        leading space at the start of a decode affect them alike. A byte-level token can end
+        mid-character: then nothing is emitted until the character completes.
+        """
+        skip = seq.group.params.skip_special_tokens
+        ids = seq.token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip)
+        full = self.tokenizer.decode(ids[seq.prefix_offset :], skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return full[len(prefix) :]
 
     def _check_stop_strings(self, seq: Sequence, prev_len: int) -> bool:
         params = seq.group.params

@@ -140,6 +140,8 @@ class ModelRunner:
             max_query_len=max(s.num_tokens for s in sched.scheduled),
             max_seq_len=max(seq_lens),
             block_size=bs,
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
         )
         meta = self.backend.prepare(attn_inputs)
         hidden = self.model(self._tensor(positions), meta, input_ids=self._tensor(input_ids))

@@ -45,7 +45,6 @@ def sample(
 ) -> SamplerOutput:
     n = logits.shape[0]
     device = logits.device
-    logprobs = torch.log_softmax(logits, dim=-1)  # the raw model distribution
     tokens = logits.argmax(dim=-1)
 
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -74,6 +73,7 @@ def sample(
     out_logprobs: list[dict[int, float] | None] = [None] * n
     wants = [i for i, p in enumerate(params) if p.logprobs is not None or p.logprob_token_ids]
     if wants:
+        logprobs = torch.log_softmax(logits, dim=-1)  # the raw model distribution
         k = max(params[i].logprobs or 0 for i in wants)
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
         sampled_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()

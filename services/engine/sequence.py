@@ -45,6 +45,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
+        # Incremental detokenization window: decode ids[prefix_offset:] and subtract the
+        # text of ids[prefix_offset:read_offset]. Starts a few prompt tokens back.
+        self.prefix_offset = max(0, self.num_prompt_tokens - 5)
+        self.read_offset = self.num_prompt_tokens
         self.generator: torch.Generator | None = None  # set by the engine for seeded requests
 
     @property

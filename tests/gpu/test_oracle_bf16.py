@@ -1,9 +1,11 @@
 """The oracle tests on CUDA in bfloat16 (run on the device: `make gpu-test`).
 
-bfloat16 keeps 8 bits of mantissa, so exact token equality with any reference is not a
-sound test: a near-tie in the logits can flip. Instead every greedy token we produce must
-be (within `TOKEN_TOL` logits) an argmax of the float32 transformers reference, teacher-
-forced on our own sequence, and prompt logprobs must agree within `LOGPROB_TOL`.
+bfloat16 keeps 8 bits of mantissa: logits near 30 are rounded to multiples of 0.125, so
+exact token equality with any reference is not a sound test (a near-tie can flip). So:
+- prompt logprobs: our bf16 error against the float32 transformers reference must be no
+  worse than transformers' own bf16 error (same checkpoint, same GPU) plus a small slack;
+- greedy: every token we produce must be an argmax of the float32 reference, teacher-forced
+  on our own sequence, within `TOKEN_ULPS` bf16 ulps of the top logit.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 PROMPT_LENS = (5, 17, 33, 50)
 GEN = 32
-LOGPROB_TOL = 0.15  # |ours_bf16 - hf_fp32| per prompt logprob, max over positions
-LOGPROB_MEAN_TOL = 0.03
-TOKEN_TOL = 0.25  # our greedy token's fp32 logit may trail the fp32 max by at most this
+ERROR_SLACK = 1.25  # our mean bf16 error may exceed transformers' by at most 25 %
+TOKEN_ULPS = 4
 GREEDY = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
 
 
@@ -33,16 +34,22 @@ def _prompts(vocab: int = 512) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _ref_logits(path, ids: list[int]) -> torch.Tensor:
-    model = hf_model(path, torch.float32, "cuda")
+def _ref_logits(path, ids: list[int], dtype=torch.float32) -> torch.Tensor:
+    model = hf_model(path, dtype, "cuda")
     return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
 
 
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=1e-3))) - 7)
+
+
 def _assert_greedy_consistent(path, prompt: list[int], tokens: list[int]) -> float:
+    """Largest lag of our token behind the fp32 argmax, in bf16 ulps of the top logit."""
     assert len(tokens) == GEN
     logits = _ref_logits(path, prompt + tokens)[len(prompt) - 1 : -1]  # [GEN, V]
-    trail = logits.max(dim=-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    assert float(trail.max()) <= TOKEN_TOL, f"token trails the reference argmax by {trail.max()}"
+    top = logits.max(dim=-1).values
+    trail = (top - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]) / _bf16_ulp(top)
+    assert float(trail.max()) <= TOKEN_ULPS, f"a token trails the fp32 argmax by {trail.max()} ulp"
     return float(trail.max())
 
 
@@ -55,17 +62,20 @@ def test_prompt_logprobs_bf16(case):
     arch, path, prompts = case
     llm = LLM(path, device="cuda", dtype="bfloat16")
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
-    errs = []
+    ours, theirs = [], []
     for prompt, out in zip(prompts, outs, strict=True):
         ref = torch.log_softmax(_ref_logits(path, prompt), dim=-1)
+        hf16 = torch.log_softmax(_ref_logits(path, prompt, torch.bfloat16), dim=-1)
         for pos in range(1, len(prompt)):
-            errs.append(
-                abs(out.prompt_logprobs[pos][prompt[pos]] - float(ref[pos - 1, prompt[pos]]))
-            )
-    mean = sum(errs) / len(errs)
-    print(f"[{arch}] prompt logprob |bf16 - fp32|: max {max(errs):.4f} mean {mean:.4f}")
-    assert max(errs) <= LOGPROB_TOL
-    assert mean <= LOGPROB_MEAN_TOL
+            t = prompt[pos]
+            ours.append(abs(out.prompt_logprobs[pos][t] - float(ref[pos - 1, t])))
+            theirs.append(abs(float(hf16[pos - 1, t]) - float(ref[pos - 1, t])))
+    mean, hf_mean = sum(ours) / len(ours), sum(theirs) / len(theirs)
+    print(
+        f"[{arch}] prompt logprob error vs fp32 reference: coxswain bf16 mean {mean:.4f} "
+        f"max {max(ours):.4f}; transformers bf16 mean {hf_mean:.4f} max {max(theirs):.4f}"
+    )
+    assert mean <= ERROR_SLACK * hf_mean + 0.01
 
 
 def _staggered(engine: LLMEngine, prompts, gap: int) -> list[list[int]]:
@@ -101,7 +111,7 @@ def test_greedy_bf16(case, mode):
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.engine.stats()["num_preemptions"] > 0
     trails = [_assert_greedy_consistent(path, p, t) for p, t in zip(prompts, tokens, strict=True)]
-    print(f"[{arch}/{mode}] max trail behind fp32 argmax: {max(trails):.4f}")
+    print(f"[{arch}/{mode}] greedy tokens trail the fp32 argmax by <= {max(trails):.2f} bf16 ulp")
 
 
 def test_prefix_cache_bf16(tiny_checkpoint):

@@ -196,6 +196,21 @@ def test_seeds_are_reproducible_whatever_the_batch(llm):
     assert other_seed != solo
 
 
+def test_streamed_text_equals_a_full_decode(llm):
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"text-{i}", p, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            full = llm.tokenizer.decode(c.token_ids)
+            # Incremental text is the full decode, less at most an incomplete character.
+            assert full.startswith(c.text)
+            held_back = full[len(c.text) :]
+            assert held_back == "" or "\ufffd" in held_back, (c.text, full)
+
+
 def test_n_samples_share_prompt_blocks(model_dir, alone):
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", enable_prefix_caching=False))
     prompt = " ".join(PROMPTS * 3)  # > 2 blocks

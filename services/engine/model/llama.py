@@ -28,7 +28,13 @@ from services.engine.parallel import ParallelContext
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ctx: ParallelContext,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ):
         super().__init__()
         if cfg.num_heads % ctx.tp_size or cfg.num_kv_heads % ctx.tp_size:
             raise ValueError(
@@ -51,7 +57,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.rotary = rotary  # one cos/sin table shared by every layer
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the runner
 
@@ -82,10 +88,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ctx: ParallelContext,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ctx, backend)
+        self.self_attn = Attention(cfg, ctx, backend, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ctx)
 
@@ -124,8 +136,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             if ctx.is_first_stage
             else None
         )
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, ctx, backend) for i in self.layer_range}
+            {str(i): DecoderLayer(cfg, ctx, backend, self.rotary) for i in self.layer_range}
         )
         if ctx.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
