@@ -83,9 +83,8 @@ PRESETS = {
         hf_batch_size=32,
         max_num_seqs=256,
         max_num_batched_tokens=16384,
-        # The whole workload needs ~18 GiB of KV. The rest stays free for activations: a step
-        # that mixes decodes with a prefill chunk pads every request's queries to the chunk's
-        # length in the SDPA backend (~256 x 1024 queries over ~1024 keys at the worst step).
+        # The whole workload needs ~18 GiB of KV; leave the rest for activations and for
+        # other processes sharing the GPU.
         gpu_memory_utilization=0.4,
     ),
 }
