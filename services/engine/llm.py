@@ -34,8 +34,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        Every prompt is validated before any is queued, so a bad one fails the call without
-        leaving half a batch running.
+        A bad prompt fails the whole call (naming its index) and leaves nothing queued.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -51,18 +50,15 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(prompts)} prompts but {len(params)} SamplingParams"
             )
-        encoded = []
+        rids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            _, ids = self.engine._encode(prompt)
-            try:
-                self.engine.validate(ids, p)
-            except InvalidRequestError as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-            encoded.append(prompt)
-        rids = []
-        for prompt, p in zip(encoded, params, strict=True):
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
+            try:
+                self.engine.add_request(rid, prompt, p)
+            except InvalidRequestError as e:
+                for queued in rids:  # all or nothing: drop what this call already queued
+                    self.engine.abort(queued)
+                raise type(e)(f"prompt {i}: {e}") from None
             rids.append(rid)
         final: dict[str, RequestOutput] = {}
         bar = None

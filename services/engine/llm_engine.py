@@ -6,6 +6,7 @@ check stop conditions → emit outputs for every request that changed.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict
@@ -90,8 +91,6 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
 
     def _generation_eos_ids(self) -> list[int]:
-        import json
-
         path = self.model_dir / "generation_config.json"
         if not path.is_file():
             return []
@@ -116,7 +115,8 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
 
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string or a token-id list."""
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
@@ -158,7 +158,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
-        text, ids = self._encode(prompt)
+        text, ids = self.encode(prompt)
         self.validate(ids, params)
         group = RequestGroup(
             request_id=request_id,

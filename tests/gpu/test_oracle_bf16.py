@@ -18,6 +18,7 @@ import torch
 from services.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import ARCHS
 from tests.oracle import hf_model
+from tests.staggered import run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -78,21 +79,6 @@ def test_prompt_logprobs_bf16(case):
     assert mean <= ERROR_SLACK * hf_mean + 0.01
 
 
-def _staggered(engine: LLMEngine, prompts, gap: int) -> list[list[int]]:
-    done: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % gap == 0:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        step += 1
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("mode", ["batch", "staggered", "chunked", "preempt"])
 def test_greedy_bf16(case, mode):
     arch, path, prompts = case
@@ -100,12 +86,11 @@ def test_greedy_bf16(case, mode):
         outs = LLM(path, device="cuda", dtype="bfloat16").generate(prompts, GREEDY)
         tokens = [o.outputs[0].token_ids for o in outs]
     elif mode == "staggered":
-        tokens = _staggered(
-            LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16")), prompts, 3
-        )
+        engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16"))
+        tokens = run_staggered(engine, prompts, GREEDY, 3)
     elif mode == "chunked":
         cfg = EngineConfig(device="cuda", dtype="bfloat16", max_num_batched_tokens=7)
-        tokens = _staggered(LLMEngine(path, cfg), prompts, 2)
+        tokens = run_staggered(LLMEngine(path, cfg), prompts, GREEDY, 2)
     else:
         llm = LLM(path, device="cuda", dtype="bfloat16", block_size=8, num_kv_blocks=12)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]

@@ -10,6 +10,7 @@ import torch
 from services.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import ARCHS
 from tests.oracle import hf_greedy, hf_logprobs
+from tests.staggered import run_staggered
 
 PROMPT_LENS = (5, 17, 33, 50)
 GEN = 32
@@ -73,33 +74,16 @@ def test_generated_logprobs_match_transformers(arch_case):
             assert d[t] == pytest.approx(float(row[t]), abs=1e-4)
 
 
-def _run_staggered(engine: LLMEngine, prompts, params, gap: int) -> dict[str, list[int]]:
-    done: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % gap == 0:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        step += 1
-    return done
-
-
 def test_greedy_staggered(arch_case):
     _, path, prompts, expected = arch_case
     engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"))
-    done = _run_staggered(engine, prompts, GREEDY, gap=3)
-    assert [done[str(i)] for i in range(len(prompts))] == expected
+    assert run_staggered(engine, prompts, GREEDY, gap=3) == expected
 
 
 def test_greedy_chunked_prefill(arch_case):
     _, path, prompts, expected = arch_case
     engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=7))
-    done = _run_staggered(engine, prompts, GREEDY, gap=2)
-    assert [done[str(i)] for i in range(len(prompts))] == expected
+    assert run_staggered(engine, prompts, GREEDY, gap=2) == expected
     assert engine.stats()["num_steps"] > sum(PROMPT_LENS) // 7  # prompts really were chunked
 
 

@@ -76,6 +76,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(in_features, sum(output_sizes), bias, ctx)
         self.part_sizes = [_divide(s, ctx.tp_size, "output features") for s in output_sizes]
+        for param in self.parameters(recurse=False):
+            param.num_parts = len(output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         idx = int(shard_id)

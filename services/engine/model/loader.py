@@ -118,9 +118,8 @@ def load_weights(model: LlamaFamilyForCausalLM, model_dir: str | Path) -> None:
     for name, param in params.items():
         if model.cfg.tie_word_embeddings and name == "lm_head.weight" and model.embed_tokens:
             continue  # shares the embedding Parameter
-        parts = getattr(param.weight_loader, "__self__", None)
-        n_parts = len(getattr(parts, "output_sizes", [None]))
-        for shard in range(n_parts) if n_parts > 1 else [None]:
+        parts = getattr(param, "num_parts", None)  # fused params load one HF tensor per part
+        for shard in range(parts) if parts else [None]:
             expected.add((name, shard))
 
     loaded: set[tuple[str, object]] = set()
