@@ -25,8 +25,6 @@ class StepAttentionInputs:
     query_start_loc: torch.Tensor  # [R+1] token offsets of each request in the batch
     seq_lens: torch.Tensor  # [R] context length of each request after this step
     block_tables: torch.Tensor  # [R, max_blocks] KV block ids (padding: 0)
-    max_query_len: int
-    max_seq_len: int
     block_size: int
     # The same two on the host, so backends can plan without a device sync.
     query_start_loc_host: list[int]

@@ -137,8 +137,6 @@ class ModelRunner:
             query_start_loc=self._tensor(qsl),
             seq_lens=self._tensor(seq_lens),
             block_tables=self._tensor([x for row in padded for x in row]).view(len(padded), width),
-            max_query_len=max(s.num_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens),
             block_size=bs,
             query_start_loc_host=qsl,
             seq_lens_host=seq_lens,

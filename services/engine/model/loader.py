@@ -113,11 +113,10 @@ def _hf_name(model: LlamaFamilyForCausalLM, name: str, shard: object) -> str:
 
 def load_weights(model: LlamaFamilyForCausalLM, model_dir: str | Path) -> None:
     """Copy every tensor this stage owns from the checkpoint; fail on anything missing."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # A tied head shares the embedding's Parameter, so it is listed (and loaded) once.
+    params = dict(model.named_parameters())
     expected: set[tuple[str, object]] = set()
     for name, param in params.items():
-        if model.cfg.tie_word_embeddings and name == "lm_head.weight" and model.embed_tokens:
-            continue  # shares the embedding Parameter
         parts = getattr(param, "num_parts", None)  # fused params load one HF tensor per part
         for shard in range(parts) if parts else [None]:
             expected.add((name, shard))
