@@ -33,13 +33,17 @@ class UnsupportedArchitectureError(CheckpointError):
     """config.json names an architecture Coxswain has no implementation for."""
 
 
-class RequestNotFoundError(CoxswainError, KeyError):
-    """An operation named a request id the engine does not know."""
+class NotFoundError(CoxswainError, KeyError):
+    """An operation named a resource (a request, a registered vector, ...) that does not exist."""
 
     http_status = 404
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class RequestNotFoundError(NotFoundError):
+    """An operation named a request id the engine does not know."""
 
 
 class DuplicateRequestError(InvalidRequestError):

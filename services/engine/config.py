@@ -29,9 +29,22 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.85
     seed: int = 0
+    # Steering tables: rows for distinct per-request configs (a config whose prefill and
+    # decode vectors differ takes two), rows for controller overrides, and the depth of the
+    # in-process action queue.
+    steering_request_rows: int = 256
+    steering_dynamic_rows: int = 32
+    action_queue_size: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "steering_request_rows",
+            "steering_dynamic_rows",
+            "action_queue_size",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,9 @@ from services.common.errors import (
     RequestNotFoundError,
 )
 from services.engine.config import EngineConfig
+from services.engine.interventions.actions import Action
+from services.engine.interventions.consumers import SyncConsumer
+from services.engine.interventions.manager import InterventionManager
 from services.engine.kv.block_manager import BlockManager
 from services.engine.model.config import load_model_config
 from services.engine.model.tokenizer import Tokenizer
@@ -75,11 +79,21 @@ class LLMEngine:
             self.max_model_len = num_blocks * cfg.block_size
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.interventions = InterventionManager(
+            self.model_config.num_layers,
+            self.model_config.hidden_size,
+            self.device,
+            self.dtype,
+            per_request_rows=cfg.steering_request_rows,
+            dynamic_rows=cfg.steering_dynamic_rows,
+            action_queue_size=cfg.action_queue_size,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
             cfg.enable_chunked_prefill,
+            admit_hook=self.interventions.try_admit,
         )
         eos = set(self.model_config.eos_token_ids) | set(self._generation_eos_ids())
         if self.tokenizer.eos_token_id is not None:
@@ -168,11 +182,13 @@ class LLMEngine:
             arrival_time=arrival_time or time.time(),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
         )
+        self.interventions.prepare(group)  # resolves steering/capture/readouts, or raises
         if params.seed is not None:
             for seq in group.seqs:
                 seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(params.seed + 1_000_003 * seq.index)
         self.requests[request_id] = group
+        self.interventions.add(group)
         self.scheduler.add(group)
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -183,7 +199,9 @@ class LLMEngine:
         for seq in group.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        return self._output(group)
+        output = self._output(group)
+        self.interventions.release(group)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -192,10 +210,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the (cumulative) output of every request it advanced."""
+        self.interventions.apply_actions()  # issued during the previous step: applies now
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.runner.execute(sched)
+        plan = self.interventions.plan(sched)
+        result = self.runner.execute(sched, plan)
+        report = self.interventions.after_forward(sched, plan) if plan is not None else None
         self.scheduler.update(sched)
         self.num_steps += 1
         touched: dict[str, RequestGroup] = {}
@@ -214,19 +235,34 @@ class LLMEngine:
             touched[group.request_id] = group
             if seq.index == 0 and seq.num_generated == 0 and group.params.n > 1:
                 self.scheduler.fork_samples(seq)
-            self._append_token(seq, token, result.logprobs[i])
+            if report is not None and report.aborts[i] is not None:
+                # A probe fired on the residual this token would be sampled from: stop
+                # before emitting it.
+                self.scheduler.finish(seq, "probe", report.aborts[i])
+                continue
+            readouts = report.readouts[i] if report is not None else None
+            self._append_token(seq, token, result.logprobs[i], readouts)
         outputs = []
         for rid, group in touched.items():
             outputs.append(self._output(group))
             if group.is_finished:
                 del self.requests[rid]
+                self.interventions.release(group)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+    def _append_token(
+        self,
+        seq: Sequence,
+        token: int,
+        logprobs: dict[int, float] | None,
+        readouts: dict[str, float] | None = None,
+    ) -> None:
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs or {})
+        if seq.group.params.readouts:
+            seq.readouts.append(readouts or {})
         params = seq.group.params
         prev_len = len(seq.text)
         seq.text += self._decode_increment(seq)
@@ -279,9 +315,11 @@ class LLMEngine:
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
+                readouts=list(seq.readouts) if group.params.readouts else None,
             )
             for seq in group.seqs
         ]
+        captured = self.interventions.captures(group) if group.is_finished else None
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -292,7 +330,36 @@ class LLMEngine:
             prompt_logprobs=list(group.prompt_logprobs)
             if group.prompt_logprobs is not None
             else None,
+            captures=captured[0] if captured else ({} if group.params.capture else None),
+            capture_positions=captured[1] if captured else ([] if group.params.capture else None),
         )
+
+    # -- steering control -----------------------------------------------------------------
+
+    def set_global_steering(self, steering: Any) -> None:
+        """Steer every request (prefill and/or decode tiers, by each vector's `phase`),
+        replacing any previous global steering. Applies from the next step."""
+        self.interventions.set_global(steering)
+
+    def clear_global_steering(self) -> None:
+        self.interventions.clear_global()
+
+    def submit_action(self, action: Action, source: str = "api") -> bool:
+        """Queue a controller action for the top of the next step (False: queue full)."""
+        return self.interventions.submit(action, source)
+
+    def add_consumer(self, consumer: SyncConsumer) -> None:
+        """Register a sync consumer: `on_step(view)` runs after every step."""
+        self.interventions.add_consumer(consumer)
+
+    @property
+    def vectors(self):
+        """The engine's named vector registry (register / list / unregister / import_file)."""
+        return self.interventions.registry
+
+    def steering_snapshot(self) -> dict:
+        """Action-queue counters, pool use, active tiers and monitors, consumer timing."""
+        return self.interventions.snapshot()
 
     def stats(self) -> dict:
         """Counters for dashboards and tests: cache hits, preemptions, pool use."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput, interventions: Any = None) -> StepResult:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -142,7 +143,12 @@ class ModelRunner:
             seq_lens_host=seq_lens,
         )
         meta = self.backend.prepare(attn_inputs)
-        hidden = self.model(self._tensor(positions), meta, input_ids=self._tensor(input_ids))
+        hidden = self.model(
+            self._tensor(positions),
+            meta,
+            input_ids=self._tensor(input_ids),
+            interventions=interventions,
+        )
 
         n = len(sched.scheduled)
         result = StepResult([None] * n, [None] * n, [None] * n)

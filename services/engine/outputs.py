@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -13,8 +14,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "length" | "stop" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "probe"
+    stop_reason: int | str | None = None  # the stop token id or string, or the probe's name
+    # readouts[i]: {read-out name: h·probe} at the position that produced token i
+    readouts: list[dict[str, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -33,3 +36,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Pristine residuals `{"<layer>.<site>": [num_positions, H]}` (float32, CPU) at
+    # `capture_positions`, on the final output of a request that asked for `capture`.
+    captures: dict[str, Any] | None = None
+    capture_positions: list[int] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.errors import InvalidRequestError
 
@@ -17,6 +18,11 @@ class SamplingParams:
     `logprob_token_ids` adds the exact logprob of each listed id at every generated step;
     `prompt_logprobs=k` returns, per prompt position, the top-k plus the actual token's.
     Logprobs are of the model's raw distribution (before temperature and truncation).
+
+    Interventions (schema in `services/engine/interventions/spec.py`): `steering` adds
+    vectors, gates and `abort_when` probes; `capture` returns pristine residuals;
+    `readouts` reports probe scores with every generated token. Their structure is checked
+    here; layers, sizes and vector names when the engine accepts the request.
     """
 
     n: int = 1
@@ -34,8 +40,17 @@ class SamplingParams:
     logprob_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    steering: Any = None  # SteeringSpec or its dict form
+    capture: Any = None  # CaptureSpec or its dict form
+    readouts: Any = None  # list of Readout or their dict forms
 
     def __post_init__(self) -> None:
+        from services.engine.interventions.spec import (
+            parse_capture,
+            parse_readouts,
+            parse_steering,
+        )
+
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -44,6 +59,9 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self.steering = parse_steering(self.steering)
+        self.capture = parse_capture(self.capture)
+        self.readouts = parse_readouts(self.readouts)
 
     def _validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:

@@ -10,6 +10,7 @@ running sequence is preempted: its blocks are freed and it is recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine.kv.block_manager import BlockManager
@@ -55,11 +56,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        admit_hook: Callable[[Sequence], bool] | None = None,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Called before a waiting sequence is admitted; False makes it (and those behind it)
+        # wait. The engine uses it to hand out steering rows.
+        self.admit_hook = admit_hook
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -99,7 +104,7 @@ class Scheduler:
                 break
             seq = self.waiting[0]
             cached, hashes = [], []
-            if not seq.block_table and not self._needs_all_prompt_logits(seq):
+            if not seq.block_table and not self._needs_all_prompt_positions(seq):
                 cached, hashes = self.bm.match_prefix(seq)
             start = max(seq.num_computed, len(cached) * self.bm.block_size)
             remaining = seq.num_tokens - start
@@ -108,6 +113,8 @@ class Scheduler:
                 break
             new_blocks = self.bm.blocks_for(start + n) - max(len(seq.block_table), len(cached))
             if new_blocks > self.bm.num_free_after_touch(cached):
+                break
+            if self.admit_hook is not None and not self.admit_hook(seq):
                 break
             self.waiting.popleft()
             if not seq.block_table:
@@ -122,10 +129,10 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _needs_all_prompt_logits(seq: Sequence) -> bool:
-        # Prompt logprobs need logits at every prompt position: skip the cache for them.
+    def _needs_all_prompt_positions(seq: Sequence) -> bool:
+        # Prompt logprobs (and captures of the prompt) need every prompt position computed.
         return (
-            seq.group.params.prompt_logprobs is not None
+            seq.group.skip_prefix_cache
             and seq.index == 0
             and (seq.num_computed < seq.num_prompt_tokens)
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = (
             [] if group.params.logprobs is not None or group.params.logprob_token_ids else None
         )
+        self.readouts: list[dict[str, float]] = []  # per generated token, when asked for
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
@@ -50,6 +52,8 @@ class Sequence:
         self.prefix_offset = max(0, self.num_prompt_tokens - 5)
         self.read_offset = self.num_prompt_tokens
         self.generator: torch.Generator | None = None  # set by the engine for seeded requests
+        # The steering signature each computed position's KV was made under (b"": none).
+        self.position_sigs: list[bytes] = []
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +71,40 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def extra_keys(self, block_index: int) -> tuple:
-        """What besides tokens shaped this block's KV (steering, patches, adapters)."""
-        return self.group.cache_salt
+    def kv_sig(self, position: int) -> bytes:
+        """The steering signature of `position`'s KV: as recorded, else what it would get now."""
+        if position < len(self.position_sigs):
+            return self.position_sigs[position]
+        g = self.group
+        return g.prefill_sig if position < self.num_prompt_tokens else g.decode_sig
+
+    def record_kv_sigs(self, start: int, num_tokens: int) -> None:
+        """Note the signatures positions [start, start + num_tokens) are computed under now.
+
+        Positions before `start` not yet recorded (prefix-cache hits, blocks shared by a
+        fork) matched under the signatures they would get now, so those are recorded.
+        """
+        sigs = self.position_sigs
+        sigs.extend(self.kv_sig(p) for p in range(len(sigs), start))
+        g, P = self.group, self.num_prompt_tokens
+        n_pre = max(0, min(num_tokens, P - start))
+        sigs[start : start + num_tokens] = [g.prefill_sig] * n_pre + [g.decode_sig] * (
+            num_tokens - n_pre
+        )
+
+    def extra_keys(self, start: int, end: int) -> tuple:
+        """What besides tokens shaped the KV of positions [start, end): the cache salt and the
+        steering signatures as runs (empty when nothing steered them)."""
+        runs: list[tuple[bytes, int]] = []
+        for p in range(start, end):
+            sig = self.kv_sig(p)
+            if runs and runs[-1][0] == sig:
+                runs[-1] = (sig, runs[-1][1] + 1)
+            else:
+                runs.append((sig, 1))
+        if all(sig == b"" for sig, _ in runs):
+            return self.group.cache_salt
+        return (*self.group.cache_salt, *runs)
 
     def __repr__(self) -> str:
         return (
@@ -92,11 +127,16 @@ class RequestGroup:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    interventions: Any = None  # RequestInterventions, set by the engine's InterventionManager
+    prefill_sig: bytes = b""  # KV signature of prompt positions computed now
+    decode_sig: bytes = b""  # KV signature of generated positions computed now
+    skip_prefix_cache: bool = False  # every prompt position must be computed (logprobs, capture)
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(self, i) for i in range(self.params.n)]
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+            self.skip_prefix_cache = True
 
     @property
     def is_finished(self) -> bool:

@@ -53,7 +53,9 @@ class BlockManager:
         hashes: list[BlockHash] = []
         parent: BlockHash | None = None
         for i in range(max_blocks):
-            h = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_keys(i))
+            h = block_hash(
+                parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_keys(i * bs, (i + 1) * bs)
+            )
             b = self.cached.get(h)
             if b is None:
                 break
@@ -75,7 +77,9 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_keys(i))
+            h = block_hash(
+                parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_keys(i * bs, (i + 1) * bs)
+            )
             seq.block_hashes.append(h)
             b = seq.block_table[i]
             if h not in self.cached and self.block_hash[b] is None:
@@ -119,6 +123,7 @@ class BlockManager:
             self._ref(b)
         child.block_table = parent.block_table[:num_blocks]
         child.block_hashes = parent.block_hashes[:num_blocks]
+        child.position_sigs = parent.position_sigs[: num_blocks * self.block_size]
         child.num_computed = num_blocks * self.block_size
 
     def free_seq(self, seq: Sequence) -> None:

@@ -94,19 +94,29 @@ class DecoderLayer(nn.Module):
         ctx: ParallelContext,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
+        layer_idx: int,
     ):
         super().__init__()
+        self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, ctx, backend, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ctx)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: Any) -> torch.Tensor:
-        # site pre_attn  (blocks.L.hook_resid_pre)  = h
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, meta: Any, iv: Any = None
+    ) -> torch.Tensor:
+        # `iv` (a StepInterventions, or None when nothing intervenes this step) captures,
+        # probes and steers the residual at each site.
+        L = self.layer_idx
+        if iv is not None:
+            h = iv.apply(L, "pre_attn", h)  # blocks.L.hook_resid_pre
         h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        # site post_attn (blocks.L.hook_resid_mid)  = h
+        if iv is not None:
+            h = iv.apply(L, "post_attn", h)  # blocks.L.hook_resid_mid
         h = h + self.mlp(self.post_attention_layernorm(h))
-        # site post_block (blocks.L.hook_resid_post) = h
+        if iv is not None:
+            h = iv.apply(L, "post_block", h)  # blocks.L.hook_resid_post
         return h
 
 
@@ -138,7 +148,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, ctx, backend, self.rotary) for i in self.layer_range}
+            {str(i): DecoderLayer(cfg, ctx, backend, self.rotary, i) for i in self.layer_range}
         )
         if ctx.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -155,10 +165,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         meta: Any,
         input_ids: torch.Tensor | None = None,  # [T], first stage
         hidden_states: torch.Tensor | None = None,  # [T, H], later stages
+        interventions: Any = None,  # StepInterventions
     ) -> torch.Tensor:  # [T, H]: the residual stream (final-normed on the last stage)
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_states
         for layer in self.layers.values():
-            h = layer(positions, h, meta)
+            h = layer(positions, h, meta, interventions)
         return self.norm(h) if self.norm is not None else h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]

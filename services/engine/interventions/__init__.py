@@ -1,0 +1,1 @@
+"""Interventions: steering, monitors, patching and capture at hook sites of the residual stream."""

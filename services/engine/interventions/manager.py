@@ -1,0 +1,632 @@
+"""The engine's intervention state: tables, pools, tiers, actions, consumers, sinks.
+
+`InterventionManager` is what `LLMEngine` talks to. It resolves each request's spec when
+the request is added (bad input fails there), gives admitted requests their table rows
+(a request waits while its pool is full: it never runs unsteered), applies controller
+actions at the top of each step, plans each step's per-token tensors, and after the
+forward pass routes captures to sinks, read-outs to outputs, gate firings to latches,
+and the step view to sync consumers.
+
+It also keeps every request's KV signature current: the prefill signature (global
+prefill steering + the request's prefill row) and the decode signature (global decode
+steering, dynamic tier, monitors, the request's effective decode row, its scale, gain
+and latches). Sequences record the signature each position was computed under; the
+prefix cache folds them into `extra_keys`, so KV made under one steering is never reused
+under another.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.errors import InvalidRequestError, NotFoundError, RequestNotFoundError
+from services.engine.interventions.actions import (
+    Action,
+    ActionQueue,
+    RequestSteeringOverride,
+    SteeringMonitorUpdate,
+    SteeringScaleUpdate,
+    SteeringVectorUpdate,
+)
+from services.engine.interventions.capture import CaptureSink, InlineCaptureSink
+from services.engine.interventions.consumers import (
+    ConsumerTiming,
+    RequestSpan,
+    StepView,
+    SyncConsumer,
+)
+from services.engine.interventions.planner import StepInterventions
+from services.engine.interventions.resolve import (
+    ProbeRead,
+    ResolvedCapture,
+    ResolvedSteering,
+    Resolver,
+    RowContent,
+    SiteKey,
+    digest,
+)
+from services.engine.interventions.sites import SITES, parse_site, site_key
+from services.engine.interventions.spec import (
+    SteeringSpec,
+    parse_capture,
+    parse_readouts,
+    parse_steering,
+)
+from services.engine.interventions.tables import (
+    GLOBAL_DECODE_ROW,
+    GLOBAL_PREFILL_ROW,
+    ZERO_ROW,
+    RowPool,
+    SteeringTables,
+)
+from services.engine.interventions.vectors import VectorRegistry
+from services.engine.scheduler import SchedulerOutput
+from services.engine.sequence import RequestGroup, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestInterventions:
+    """One request's resolved interventions and the table rows it holds."""
+
+    steering: ResolvedSteering | None
+    capture: ResolvedCapture | None
+    readouts: list[ProbeRead]
+    prefill_row: int = ZERO_ROW
+    decode_row: int = ZERO_ROW
+    override: RowContent | None = None  # decode content from a controller override
+    override_row: int | None = None  # its row, in the dynamic pool (also a private copy)
+    has_rows: bool = False
+    dyn_gain: float = 1.0
+    latched: int = 0  # gate bits latched on (rest_of_request gates that fired)
+
+    @property
+    def decode_content(self) -> RowContent:
+        if self.override is not None:
+            return self.override
+        return self.steering.decode if self.steering else RowContent()
+
+    @property
+    def effective_decode_row(self) -> int:
+        return self.override_row if self.override_row is not None else self.decode_row
+
+    @property
+    def probes(self) -> list[ProbeRead]:
+        return self.readouts + (self.steering.abort_when if self.steering else [])
+
+
+@dataclass
+class StepReport:
+    """What the forward pass observed, per scheduled sequence (aligned with the schedule)."""
+
+    readouts: list[dict[str, float] | None]
+    aborts: list[str | None]  # the name of the abort_when probe that fired, if any
+
+
+@dataclass
+class _Counters:
+    applied: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+    last_rejection: dict[str, str] = field(default_factory=dict)
+
+
+class InterventionManager:
+    def __init__(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        per_request_rows: int = 256,
+        dynamic_rows: int = 32,
+        action_queue_size: int = 1024,
+        registry: VectorRegistry | None = None,
+    ):
+        self.num_layers, self.hidden_size, self.device = num_layers, hidden_size, device
+        self.registry = (
+            registry
+            if registry is not None
+            else VectorRegistry(hidden_size=hidden_size, num_layers=num_layers)
+        )
+        self.resolver = Resolver(num_layers, hidden_size, self.registry)
+        self.tables = SteeringTables(
+            num_layers, hidden_size, device, dtype, per_request_rows, dynamic_rows
+        )
+        self.queue = ActionQueue(action_queue_size)
+        self.counters = _Counters()
+        self.sink: CaptureSink = InlineCaptureSink()
+        self.consumers: list[SyncConsumer] = []
+        self.consumer_timing: dict[str, ConsumerTiming] = {}
+        self.requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
+        self.global_spec: SteeringSpec | None = None
+        self.global_rows = {"prefill": RowContent(), "decode": RowContent()}
+        self.global_scale = {"prefill": 1.0, "decode": 1.0}
+        self.dynamic_gain = 1.0
+        self.num_waits_for_rows = 0  # admissions deferred because a pool was full
+        self.num_probe_aborts = 0
+        self.steps = 0
+        self._prefill_env = b""
+        self._decode_env = b""
+
+    # -- requests -------------------------------------------------------------------------
+
+    def prepare(self, group: RequestGroup) -> None:
+        """Resolve the request's spec (InvalidRequestError on bad input; nothing changes)."""
+        p = group.params
+        steering = parse_steering(p.steering)
+        capture = parse_capture(p.capture)
+        readouts = parse_readouts(p.readouts)
+        iv = None
+        if steering or capture or readouts:
+            iv = RequestInterventions(
+                steering=self.resolver.steering(steering) if steering else None,
+                capture=self.resolver.capture(capture) if capture else None,
+                readouts=self.resolver.readouts(readouts),
+            )
+            if iv.capture and iv.capture.needs_full_prompt(len(group.prompt_token_ids)):
+                group.skip_prefix_cache = True
+        group.interventions = iv
+        self._refresh_sigs(group)
+
+    def add(self, group: RequestGroup) -> None:
+        self.requests[group.request_id] = group
+
+    def try_admit(self, seq: Sequence) -> bool:
+        """Give the request its rows; False (it waits) while the per-request pool is full."""
+        iv = seq.group.interventions
+        if iv is None or iv.has_rows or iv.steering is None:
+            return True
+        pool = self.tables.request_pool
+        contents = [iv.steering.prefill, iv.steering.decode]
+        needed = {c.digest for c in contents if not c.is_empty and pool.lookup(c.digest) is None}
+        if len(needed) > len(pool.free):
+            self.num_waits_for_rows += 1
+            return False
+        rows = [self._acquire_shared(c) for c in contents]
+        iv.prefill_row, iv.decode_row = rows
+        iv.has_rows = True
+        return True
+
+    def _acquire_shared(self, content: RowContent) -> int:
+        if content.is_empty:
+            return ZERO_ROW
+        pool = self.tables.request_pool
+        row = pool.lookup(content.digest)
+        if row is not None:
+            pool.ref(row)
+            return row
+        row = pool.acquire(content.digest)
+        assert row is not None, "checked by try_admit"
+        self.tables.write_row(row, content)
+        return row
+
+    def release(self, group: RequestGroup) -> None:
+        """Return a finished request's rows and forget its captures."""
+        self.requests.pop(group.request_id, None)
+        self.sink.drop(group.request_id)
+        iv = group.interventions
+        if iv is None:
+            return
+        if iv.has_rows and iv.steering is not None:
+            for row, content in (
+                (iv.prefill_row, iv.steering.prefill),
+                (iv.decode_row, iv.steering.decode),
+            ):
+                if row != ZERO_ROW and self.tables.request_pool.release(row):
+                    self.tables.clear_row(row, content)
+            iv.has_rows = False
+        self._drop_override(iv)
+
+    def _drop_override(self, iv: RequestInterventions) -> None:
+        if iv.override_row is not None:
+            assert iv.override is not None
+            self.tables.dynamic_pool.release(iv.override_row)
+            self.tables.clear_row(iv.override_row, iv.override)
+        iv.override, iv.override_row = None, None
+
+    def captures(self, group: RequestGroup) -> tuple[dict[str, torch.Tensor], list[int]] | None:
+        return self.sink.result(group.request_id)
+
+    # -- global steering ------------------------------------------------------------------
+
+    def set_global(self, spec: Any) -> None:
+        """Engine-wide steering for every request (vectors only), replacing the previous."""
+        parsed = parse_steering(spec)
+        if parsed is not None and (parsed.gates or parsed.abort_when):
+            raise InvalidRequestError("global steering takes `vectors` only (no gates/aborts)")
+        resolved = self.resolver.steering(parsed) if parsed else None
+        for phase, row in (("prefill", GLOBAL_PREFILL_ROW), ("decode", GLOBAL_DECODE_ROW)):
+            self.tables.clear_row(row, self.global_rows[phase])
+            content = getattr(resolved, phase) if resolved else RowContent()
+            self.tables.write_row(row, content)
+            self.tables.set_row_scale(row, self.global_scale[phase])
+            self.global_rows[phase] = content
+        self.global_spec = parsed
+        self._env_changed()
+
+    def clear_global(self) -> None:
+        self.set_global(None)
+
+    # -- actions --------------------------------------------------------------------------
+
+    def submit(self, action: Action, source: str = "api") -> bool:
+        """Queue an action for the top of the next step; False if the queue dropped it."""
+        return self.queue.put(action, source)
+
+    def apply_actions(self) -> None:
+        """Drain the queue (the top of a step): each action applies or is counted rejected."""
+        for source, action in self.queue.drain():
+            try:
+                self._apply(action)
+            except (InvalidRequestError, NotFoundError) as exc:
+                self.counters.rejected[source] += 1
+                self.counters.last_rejection[source] = f"{type(action).__name__}: {exc}"
+                log.info("rejected %s from %s: %s", type(action).__name__, source, exc)
+            else:
+                self.counters.applied[source] += 1
+
+    def _apply(self, action: Action) -> None:
+        if isinstance(action, SteeringVectorUpdate):
+            site = parse_site(action.site)
+            if action.vector is None:
+                vectors = dict.fromkeys(action.layers)
+            else:
+                vectors = self.resolver.layer_vectors(
+                    action.vector, list(action.layers), "SteeringVectorUpdate"
+                )
+            for layer, vec in vectors.items():
+                self.resolver._layer(layer, "SteeringVectorUpdate")
+                self.tables.set_dynamic((layer, site), None if vec is None else action.scale * vec)
+            self._env_changed()
+        elif isinstance(action, SteeringMonitorUpdate):
+            site = parse_site(action.site)
+            layer = self.resolver._layer(action.layer, "SteeringMonitorUpdate")
+            probe = (
+                None
+                if action.probe is None
+                else self.resolver.probe(action.probe, layer, "SteeringMonitorUpdate")
+            )
+            if not action.sharpness > 0:
+                raise InvalidRequestError("SteeringMonitorUpdate: sharpness must be > 0")
+            self.tables.set_monitor(
+                (layer, site), probe, action.threshold, action.sharpness, action.gate_rows
+            )
+            self._env_changed()
+        elif isinstance(action, SteeringScaleUpdate):
+            self._apply_scale(action)
+        elif isinstance(action, RequestSteeringOverride):
+            self._apply_override(action)
+        else:
+            raise InvalidRequestError(f"unknown action type {type(action).__name__}")
+
+    def _request(self, request_id: str | None, what: str) -> RequestInterventions:
+        group = self.requests.get(request_id) if request_id is not None else None
+        if group is None:
+            raise RequestNotFoundError(f"{what}: no unfinished request {request_id!r}")
+        if group.interventions is None:
+            group.interventions = RequestInterventions(None, None, [])
+        return group.interventions
+
+    def _apply_scale(self, a: SteeringScaleUpdate) -> None:
+        if a.scale != a.scale or a.scale in (float("inf"), float("-inf")):
+            raise InvalidRequestError("SteeringScaleUpdate: scale must be finite")
+        if a.tier in ("global_prefill", "global_decode"):
+            phase = a.tier.removeprefix("global_")
+            self.global_scale[phase] = a.scale
+            row = GLOBAL_PREFILL_ROW if phase == "prefill" else GLOBAL_DECODE_ROW
+            self.tables.set_row_scale(row, a.scale)
+            self._env_changed()
+        elif a.tier == "dynamic" and a.request_id is None:
+            self.dynamic_gain = a.scale
+            self._env_changed()
+        elif a.tier == "dynamic":
+            self._request(a.request_id, "SteeringScaleUpdate").dyn_gain = a.scale
+            self._refresh_sigs(self.requests[a.request_id])
+        else:
+            iv = self._request(a.request_id, "SteeringScaleUpdate")
+            if iv.decode_content.is_empty:
+                raise InvalidRequestError(
+                    f"SteeringScaleUpdate: request {a.request_id!r} has no decode steering row"
+                )
+            if iv.override_row is None:  # scale a private copy: the shared row serves others
+                self._install_override(iv, iv.decode_content, "SteeringScaleUpdate")
+            assert iv.override_row is not None
+            self.tables.set_row_scale(iv.override_row, a.scale)
+            self._refresh_sigs(self.requests[a.request_id])
+
+    def _apply_override(self, a: RequestSteeringOverride) -> None:
+        iv = self._request(a.request_id, "RequestSteeringOverride")
+        if a.steering is None:
+            self._drop_override(iv)
+        else:
+            spec = parse_steering(a.steering)
+            if spec is None:
+                content = RowContent()
+            else:
+                if spec.abort_when:
+                    raise InvalidRequestError("RequestSteeringOverride: abort_when is not allowed")
+                content = self.resolver.steering(spec).decode
+            self._install_override(iv, content, "RequestSteeringOverride")
+        self._refresh_sigs(self.requests[a.request_id])
+
+    def _install_override(self, iv: RequestInterventions, content: RowContent, what: str) -> None:
+        pool: RowPool = self.tables.dynamic_pool
+        if iv.override_row is None and not pool.free:
+            raise InvalidRequestError(f"{what}: the dynamic-override pool is full")
+        self._drop_override(iv)
+        row = pool.acquire(content.digest)
+        assert row is not None
+        self.tables.write_row(row, content)
+        iv.override, iv.override_row = content, row
+
+    # -- consumers ------------------------------------------------------------------------
+
+    def add_consumer(self, consumer: SyncConsumer) -> None:
+        """Register a sync consumer; its declared sites are checked now."""
+        name = getattr(consumer, "name", type(consumer).__name__)
+        if name in self.consumer_timing:
+            raise InvalidRequestError(f"a consumer named {name!r} is already registered")
+        for site, layers in consumer.sites.items():
+            parse_site(site)
+            for layer in layers:
+                self.resolver._layer(layer, f"consumer {name!r}")
+        self.consumers.append(consumer)
+        self.consumer_timing[name] = ConsumerTiming()
+
+    def remove_consumer(self, name: str) -> None:
+        self.consumers = [c for c in self.consumers if getattr(c, "name", None) != name]
+        self.consumer_timing.pop(name, None)
+
+    def _consumer_sites(self, consumer: SyncConsumer) -> set[SiteKey]:
+        return {(L, parse_site(s)) for s, layers in consumer.sites.items() for L in layers}
+
+    # -- KV signatures ----------------------------------------------------------------------
+
+    def _env_changed(self) -> None:
+        t = self.tables
+        g = self.global_rows
+        self._prefill_env = (
+            digest("prefill", g["prefill"].digest, self.global_scale["prefill"])
+            if not g["prefill"].is_empty
+            else b""
+        )
+        parts: list[Any] = []
+        if not g["decode"].is_empty:
+            parts += ["global", g["decode"].digest, self.global_scale["decode"]]
+        for key in sorted(t.dynamic):
+            parts += ["dyn", key, t.dynamic[key]]
+        if t.dynamic:
+            parts += ["gain", self.dynamic_gain]
+        for key in sorted(t.monitors):
+            parts += ["mon", key, t.monitors[key], t.mon_probe[key[1]][key[0]].float().cpu()]
+        self._decode_env = digest(*parts) if parts else b""
+        for group in self.requests.values():
+            self._refresh_sigs(group)
+
+    def _refresh_sigs(self, group: RequestGroup) -> None:
+        iv = group.interventions
+        own_prefill = iv.steering.prefill.digest if iv and iv.steering else b""
+        group.prefill_sig = (
+            digest(self._prefill_env, own_prefill) if self._prefill_env or own_prefill else b""
+        )
+        parts: list[Any] = []
+        if iv is not None:
+            content = iv.decode_content
+            if not content.is_empty:
+                scale = float(self.tables.row_scale[iv.effective_decode_row]) if iv.has_rows else 1
+                parts += [content.digest, scale, iv.latched]
+            if self.tables.dynamic:
+                parts += [iv.dyn_gain]
+        group.decode_sig = digest(self._decode_env, *parts) if self._decode_env or parts else b""
+
+    # -- the step -------------------------------------------------------------------------
+
+    def plan(self, sched: SchedulerOutput) -> StepInterventions | None:
+        """Per-token tensors for this step, or None when nothing intervenes anywhere."""
+        self.steps += 1
+        for s in sched.scheduled:
+            s.seq.record_kv_sigs(s.start, s.num_tokens)
+        kernel_sites = self.tables.active_sites()
+        view_sites: set[SiteKey] = set()
+        for c in self.consumers:
+            view_sites |= self._consumer_sites(c)
+        any_request = any(s.seq.group.interventions is not None for s in sched.scheduled)
+        if not (kernel_sites or self.consumers or any_request):
+            return None
+        dynamic = bool(self.tables.dynamic)
+        rows: list[int] = []
+        decode: list[float] = []
+        gain: list[float] = []
+        latched: list[int] = []
+        capture_rows: dict[SiteKey, list[int]] = {}
+        read_rows: dict[SiteKey, list[int]] = {}
+        read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = {}
+        row0 = 0
+        for i, s in enumerate(sched.scheduled):
+            seq, n = s.seq, s.num_tokens
+            iv = seq.group.interventions
+            n_pre = max(0, min(n, seq.num_prompt_tokens - s.start))
+            n_dec = n - n_pre
+            prow = iv.prefill_row if iv else ZERO_ROW
+            drow = iv.effective_decode_row if iv else ZERO_ROW
+            rows += [prow] * n_pre + [drow] * n_dec
+            decode += [0.0] * n_pre + [1.0] * n_dec
+            g = self.dynamic_gain * (iv.dyn_gain if iv else 1.0) if dynamic else 0.0
+            gain += [0.0] * n_pre + [g] * n_dec
+            latched += [0] * n_pre + [iv.latched if iv else 0] * n_dec
+            if iv is not None and iv.capture is not None and seq.index == 0:
+                P = seq.num_prompt_tokens
+                wanted = [row0 + j for j in range(n) if iv.capture.wants(s.start + j, P)]
+                if wanted:
+                    for key in iv.capture.sites:
+                        capture_rows.setdefault(key, []).extend(wanted)
+            if iv is not None and s.samples:
+                for probe in iv.probes:
+                    key = (probe.layer, probe.site)
+                    read_rows.setdefault(key, []).append(row0 + n - 1)
+                    read_meta.setdefault(key, []).append((i, probe))
+            row0 += n
+
+        def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+        step = StepInterventions(
+            tables=self.tables,
+            kernel_sites=kernel_sites,
+            rows=tensor(rows, torch.int32),
+            decode=tensor(decode, torch.float32),
+            dyn_gain=tensor(gain, torch.float32),
+            latched=tensor(latched, torch.int32),
+            capture_index={k: tensor(v, torch.long) for k, v in capture_rows.items()},
+            readout_index={
+                k: (
+                    tensor(v, torch.long),
+                    torch.stack([p.probe for _, p in read_meta[k]]).to(self.device),
+                )
+                for k, v in read_rows.items()
+            },
+            readout_meta=read_meta,
+            view_sites=view_sites,
+        )
+        return step
+
+    def after_forward(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport:
+        """Route this step's captures, read-outs and gate firings; returns the read-outs."""
+        n = len(sched.scheduled)
+        report = StepReport([None] * n, [None] * n)
+        spans = self._spans(sched)
+        if step.captured:
+            for key, rows in step.captured.items():
+                rows = rows.float().cpu()
+                name, at = site_key(*key), 0
+                for s in sched.scheduled:
+                    iv = s.seq.group.interventions
+                    if iv is None or iv.capture is None or s.seq.index != 0:
+                        continue
+                    if key not in iv.capture.sites:
+                        continue
+                    P = s.seq.num_prompt_tokens
+                    pos = [
+                        p for p in range(s.start, s.start + s.num_tokens) if iv.capture.wants(p, P)
+                    ]
+                    if pos:
+                        self.sink.write(s.seq.group.request_id, name, pos, rows[at : at + len(pos)])
+                        at += len(pos)
+        for key, scores in step.scores.items():
+            for (i, probe), value in zip(step.readout_meta[key], scores.tolist(), strict=True):
+                if probe.threshold is None:
+                    report.readouts[i] = report.readouts[i] or {}
+                    report.readouts[i][probe.name] = value
+                elif probe.fires(value) and report.aborts[i] is None:
+                    report.aborts[i] = probe.name
+                    self.num_probe_aborts += 1
+        if any(
+            s.seq.group.interventions is not None
+            and s.seq.group.interventions.steering is not None
+            and s.seq.group.interventions.steering.latching_bits
+            for s in sched.scheduled
+        ):
+            fired = step.fired.cpu().tolist()
+            for s, (start, count) in zip(sched.scheduled, spans, strict=True):
+                iv = s.seq.group.interventions
+                if iv is None or iv.steering is None:
+                    continue
+                bits = 0
+                for f in fired[start : start + count]:
+                    bits |= f
+                new = bits & iv.steering.latching_bits & ~iv.latched
+                if new:
+                    iv.latched |= new
+                    self._refresh_sigs(s.seq.group)
+        if self.consumers:
+            self._run_consumers(sched, step, spans)
+        return report
+
+    @staticmethod
+    def _spans(sched: SchedulerOutput) -> list[tuple[int, int]]:
+        spans, at = [], 0
+        for s in sched.scheduled:
+            spans.append((at, s.num_tokens))
+            at += s.num_tokens
+        return spans
+
+    def _run_consumers(
+        self, sched: SchedulerOutput, step: StepInterventions, spans: list[tuple[int, int]]
+    ) -> None:
+        requests = [
+            RequestSpan(
+                request_id=s.seq.group.request_id,
+                sample=s.seq.index,
+                start=start,
+                num_tokens=count,
+                first_position=s.start,
+                num_prefill_tokens=max(0, min(count, s.seq.num_prompt_tokens - s.start)),
+            )
+            for s, (start, count) in zip(sched.scheduled, spans, strict=True)
+        ]
+        for c in self.consumers:
+            name = getattr(c, "name", type(c).__name__)
+            timing = self.consumer_timing[name]
+            view = StepView(
+                step=self.steps,
+                activations={k: step.view[k] for k in self._consumer_sites(c)},
+                requests=requests,
+            )
+            t0 = time.perf_counter()
+            try:
+                actions = c.on_step(view) or []
+            except Exception as exc:  # a consumer's bug must not stop serving
+                timing.errors += 1
+                timing.last_error = repr(exc)
+                log.exception("sync consumer %s failed", name)
+                actions = []
+            timing.record((time.perf_counter() - t0) * 1e3)
+            for action in actions:
+                self.queue.put(action, name)
+
+    # -- observability --------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Queue counters, pool use, active tiers and monitors, consumer timing."""
+        t = self.tables
+        q = self.queue
+        return {
+            "queue": {
+                "capacity": q.capacity,
+                "depth": len(q),
+                "enqueued": dict(q.enqueued),
+                "dropped": dict(q.dropped),
+                "applied": dict(self.counters.applied),
+                "rejected": dict(self.counters.rejected),
+                "last_rejection": dict(self.counters.last_rejection),
+            },
+            "pools": {
+                "per_request": {"used": t.request_pool.used, "size": t.request_pool.size},
+                "dynamic": {"used": t.dynamic_pool.used, "size": t.dynamic_pool.size},
+                "admissions_waiting_for_rows": self.num_waits_for_rows,
+            },
+            "global": {
+                phase: sorted(site_key(*k) for k in self.global_rows[phase].vectors)
+                for phase in ("prefill", "decode")
+            }
+            | {"scale": dict(self.global_scale)},
+            "dynamic": {
+                "gain": self.dynamic_gain,
+                "sites": sorted(site_key(*k) for k in t.dynamic),
+            },
+            "monitors": {site_key(*k): v for k, v in sorted(t.monitors.items())},
+            "active_sites": sorted(
+                (site_key(*k) for k in t.active_sites()),
+                key=lambda s: (int(s.split(".")[0]), SITES.index(s.split(".")[1])),
+            ),
+            "consumers": {name: tm.as_dict() for name, tm in self.consumer_timing.items()},
+            "probe_aborts": self.num_probe_aborts,
+        }

@@ -1,0 +1,63 @@
+"""One step's interventions as tensors: what each site of the forward pass does.
+
+The planner (in `manager.py`) turns the scheduler's output into per-token index tensors;
+the model calls `StepInterventions.apply(layer, site, h)` at every site, which — in the
+order the design fixes — captures the pristine residual, evaluates read-out probes on
+it, then runs the fused steer/monitor/gate op where anything is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.interventions.resolve import ProbeRead, SiteKey
+from services.engine.interventions.tables import SteeringTables
+from services.engine.kernels.steer import steer
+
+
+@dataclass
+class StepInterventions:
+    tables: SteeringTables
+    kernel_sites: set[SiteKey]
+    rows: torch.Tensor  # [T] int32: each token's steering row
+    decode: torch.Tensor  # [T] float32: 1 on decode tokens
+    dyn_gain: torch.Tensor  # [T] float32: dynamic-tier gain (0 on prefill tokens)
+    latched: torch.Tensor  # [T] int32: latched gate bits of each token's request
+    capture_index: dict[SiteKey, torch.Tensor] = field(default_factory=dict)  # rows to copy
+    readout_index: dict[SiteKey, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # rows [n], probes [n, H]
+    readout_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = field(default_factory=dict)
+    view_sites: set[SiteKey] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.fired = torch.zeros_like(self.latched)  # [T] int32: gate bits that fired
+        self.captured: dict[SiteKey, torch.Tensor] = {}
+        self.scores: dict[SiteKey, torch.Tensor] = {}
+        self.view: dict[SiteKey, torch.Tensor] = {}
+
+    def apply(self, layer: int, site: str, h: torch.Tensor) -> torch.Tensor:
+        """capture → read-outs → steer (monitor and gates inside) at one site; [T, H]."""
+        key = (layer, site)
+        idx = self.capture_index.get(key)
+        if idx is not None:
+            self.captured[key] = h.index_select(0, idx)
+        if key in self.view_sites:
+            self.view[key] = h  # the op below is out of place, so `h` stays pristine
+        read = self.readout_index.get(key)
+        if read is not None:
+            rows, probes = read
+            self.scores[key] = (h.index_select(0, rows).float() * probes).sum(-1)
+        if key in self.kernel_sites:
+            h = steer(
+                h,
+                self.rows,
+                self.decode,
+                dyn_gain=self.dyn_gain,
+                latched=self.latched,
+                fired=self.fired,
+                **self.tables.site_args(layer, site),
+            )
+        return h

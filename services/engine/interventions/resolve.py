@@ -1,0 +1,293 @@
+"""Turn a request's intervention spec into tensors for this model, or a clear error.
+
+Resolution happens once, when a request is added: layer ranges, hidden size, vector
+names and values are checked here, so a step never meets a spec it cannot apply.
+Resolved vectors are float32 on the CPU; the tables move them to the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.errors import InvalidRequestError
+from services.common.wire import decode_vector
+from services.engine.interventions.sites import SITES, site_key
+from services.engine.interventions.spec import (
+    CaptureSpec,
+    ProbeCondition,
+    Readout,
+    SteeringSpec,
+)
+from services.engine.interventions.vectors import VectorRegistry, vector_for_layer
+
+SiteKey = tuple[int, str]  # (layer, site)
+
+MAX_GATES = 31  # gates of one request are told apart by a bit of an int32 mask
+
+
+@dataclass(frozen=True)
+class GateRow:
+    """One gate of a request at one (layer, site); see `spec.Gate`."""
+
+    probe: torch.Tensor  # [H]
+    vector: torch.Tensor  # [H]: added, or the unit direction attenuated
+    threshold: float
+    sharpness: float
+    scale: float
+    attenuate: bool
+    latch: bool
+    bit: int
+
+
+@dataclass(frozen=True)
+class RowContent:
+    """What one table row holds across every (layer, site): summed vectors and gates."""
+
+    vectors: dict[SiteKey, torch.Tensor] = field(default_factory=dict)  # [H], scale applied
+    gates: dict[SiteKey, GateRow] = field(default_factory=dict)
+    digest: bytes = b""  # b"" exactly when the row is empty
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.vectors and not self.gates
+
+    def sites(self) -> set[SiteKey]:
+        return set(self.vectors) | set(self.gates)
+
+
+@dataclass(frozen=True)
+class ProbeRead:
+    """A probe evaluated on the pristine residual of each sampled token: a read-out, or an
+    `abort_when` condition when `threshold` is set."""
+
+    name: str
+    layer: int
+    site: str
+    probe: torch.Tensor  # [H]
+    threshold: float | None = None
+    sharpness: float = 1.0
+
+    def fires(self, score: float) -> bool:
+        return self.threshold is not None and self.sharpness * (score - self.threshold) > 0
+
+
+@dataclass(frozen=True)
+class ResolvedSteering:
+    prefill: RowContent
+    decode: RowContent
+    abort_when: list[ProbeRead]
+
+    @property
+    def latching_bits(self) -> int:
+        return sum(1 << g.bit for g in self.decode.gates.values() if g.latch)
+
+
+@dataclass(frozen=True)
+class ResolvedCapture:
+    sites: list[SiteKey]
+    positions: str | frozenset[int]
+
+    def wants(self, position: int, num_prompt_tokens: int) -> bool:
+        p = self.positions
+        if p == "last_prompt":
+            return position == num_prompt_tokens - 1
+        if p == "all_prompt":
+            return position < num_prompt_tokens
+        if p == "all_generated":
+            return position >= num_prompt_tokens
+        if p == "all":
+            return True
+        assert isinstance(p, frozenset)
+        return position in p
+
+    def needs_full_prompt(self, num_prompt_tokens: int) -> bool:
+        """Whether prompt positions before the last are wanted (so no prefix-cache reuse)."""
+        if self.positions in ("all_prompt", "all"):
+            return True
+        if isinstance(self.positions, frozenset):
+            return any(p < num_prompt_tokens - 1 for p in self.positions)
+        return False
+
+
+def digest(*parts: Any) -> bytes:
+    """A 16-byte digest of tensors, numbers and strings (order-sensitive)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            h.update(part.detach().to(torch.float32).contiguous().numpy().tobytes())
+        else:
+            h.update(repr(part).encode())
+        h.update(b"\x00")
+    return h.digest()
+
+
+def row_content(vectors: dict[SiteKey, torch.Tensor], gates: dict[SiteKey, GateRow]) -> RowContent:
+    if not vectors and not gates:
+        return RowContent()
+    parts: list[Any] = []
+    for key in sorted(vectors):
+        parts += ["v", key, vectors[key]]
+    for key in sorted(gates):
+        g = gates[key]
+        parts += ["g", key, g.probe, g.vector, g.threshold, g.sharpness, g.scale]
+        parts += [g.attenuate, g.latch, g.bit]
+    return RowContent(vectors, gates, digest(*parts))
+
+
+class Resolver:
+    """Checks specs against one model's shape and one engine's vector registry."""
+
+    def __init__(self, num_layers: int, hidden_size: int, registry: VectorRegistry):
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.registry = registry
+
+    # -- vectors ------------------------------------------------------------------------
+
+    def _layer(self, layer: int, what: str) -> int:
+        if not 0 <= layer < self.num_layers:
+            raise InvalidRequestError(
+                f"{what}: layer {layer} is out of range (the model has layers "
+                f"0..{self.num_layers - 1})"
+            )
+        return layer
+
+    def _check_hidden(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        if t.shape[-1] != self.hidden_size:
+            raise InvalidRequestError(
+                f"{what}: vector length {t.shape[-1]} does not match the model's hidden size "
+                f"{self.hidden_size}"
+            )
+        return t
+
+    def layer_vectors(
+        self, value: Any, layers: list[int] | None, what: str
+    ) -> dict[int, torch.Tensor]:
+        """`{layer: [H]}` for a vector value given for `layers` (one row each, or one for all)."""
+        if isinstance(value, str):
+            entry = self.registry.get(value)
+            if layers is None:
+                if entry.per_layer is None:
+                    raise InvalidRequestError(
+                        f"{what}: `layers` is required with vector {value!r} (it is not per-layer)"
+                    )
+                layers = sorted(entry.per_layer)
+            rows = {self._layer(L, what): vector_for_layer(entry, L) for L in layers}
+            return {L: self._check_hidden(v.float(), what) for L, v in rows.items()}
+        if layers is None:
+            raise InvalidRequestError(f"{what}: `layers` is required with an inline vector")
+        if not layers:
+            raise InvalidRequestError(f"{what}: `layers` is empty")
+        if len(set(layers)) != len(layers):
+            raise InvalidRequestError(f"{what}: `layers` lists a layer twice: {layers}")
+        try:
+            t = decode_vector(value)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{what}: {exc}") from None
+        self._check_hidden(t, what)
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() == 2 and t.shape[0] != len(layers):
+            raise InvalidRequestError(
+                f"{what}: {t.shape[0]} vector rows for {len(layers)} layers (give one row per "
+                "listed layer, or a single row for all)"
+            )
+        return {self._layer(L, what): (t if t.dim() == 1 else t[i]) for i, L in enumerate(layers)}
+
+    def probe(self, value: Any, layer: int, what: str) -> torch.Tensor:
+        return self.layer_vectors(value, [layer], what)[layer]
+
+    # -- specs --------------------------------------------------------------------------
+
+    def steering(self, spec: SteeringSpec) -> ResolvedSteering:
+        prefill: dict[SiteKey, torch.Tensor] = {}
+        decode: dict[SiteKey, torch.Tensor] = {}
+        for i, v in enumerate(spec.vectors):
+            what = f"steering.vectors[{i}]"
+            for layer, vec in self.layer_vectors(v.vector, v.layers, what).items():
+                for phase, table in (("prefill", prefill), ("decode", decode)):
+                    if v.phase in (phase, "both"):
+                        key = (layer, v.site)
+                        table[key] = table.get(key, 0) + v.scale * vec
+        gates: dict[SiteKey, GateRow] = {}
+        if len(spec.gates) > MAX_GATES:
+            raise InvalidRequestError(f"steering.gates: at most {MAX_GATES} gates per request")
+        for i, g in enumerate(spec.gates):
+            what = f"steering.gates[{i}]"
+            key = (self._layer(g.when.layer, what), g.when.site)
+            if key in gates:
+                raise InvalidRequestError(
+                    f"{what}: a second gate at layer {key[0]} {key[1]} (one gate per site)"
+                )
+            probe = self.probe(g.when.probe, g.when.layer, f"{what}.when.probe")
+            if g.apply.add is not None:
+                vec = g.apply.add.scale * self.probe(g.apply.add.vector, key[0], f"{what}.add")
+                scale, attenuate = 1.0, False
+            else:
+                att = g.apply.attenuate
+                scale = att if isinstance(att, float | int) else att.scale
+                direction = (
+                    probe
+                    if isinstance(att, float | int) or att.vector is None
+                    else self.probe(att.vector, key[0], f"{what}.attenuate")
+                )
+                norm = direction.norm()
+                if norm == 0:
+                    raise InvalidRequestError(f"{what}: cannot attenuate along a zero vector")
+                vec, attenuate = direction / norm, True
+            gates[key] = GateRow(
+                probe=probe,
+                vector=vec,
+                threshold=g.when.threshold,
+                sharpness=g.when.sharpness,
+                scale=float(scale),
+                attenuate=attenuate,
+                latch=g.scope == "rest_of_request",
+                bit=i,
+            )
+        aborts = [
+            self.probe_read(c, f"steering.abort_when[{i}]", threshold=True)
+            for i, c in enumerate(spec.abort_when)
+        ]
+        return ResolvedSteering(row_content(prefill, {}), row_content(decode, gates), aborts)
+
+    def probe_read(
+        self, c: ProbeCondition | Readout, what: str, threshold: bool = False
+    ) -> ProbeRead:
+        layer = self._layer(c.layer, what)
+        name = getattr(c, "name", None) or (
+            c.probe if isinstance(c.probe, str) else site_key(layer, c.site)
+        )
+        return ProbeRead(
+            name=name,
+            layer=layer,
+            site=c.site,
+            probe=self.probe(c.probe, layer, f"{what}.probe"),
+            threshold=c.threshold if threshold and isinstance(c, ProbeCondition) else None,
+            sharpness=c.sharpness if isinstance(c, ProbeCondition) else 1.0,
+        )
+
+    def readouts(self, readouts: list[Readout]) -> list[ProbeRead]:
+        reads = [self.probe_read(r, f"readouts[{i}]") for i, r in enumerate(readouts)]
+        names = [r.name for r in reads]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise InvalidRequestError(
+                f"readouts: names must be unique, {sorted(dup)} repeat (set `name`)"
+            )
+        return reads
+
+    def capture(self, spec: CaptureSpec) -> ResolvedCapture:
+        keys: list[SiteKey] = []
+        for site, layers in spec.sites.items():
+            chosen = range(self.num_layers) if layers == "all" else layers
+            keys += [(self._layer(L, f"capture.sites.{site}"), site) for L in chosen]
+        keys.sort(key=lambda k: (k[0], SITES.index(k[1])))
+        positions = spec.positions
+        return ResolvedCapture(
+            keys, frozenset(positions) if isinstance(positions, list) else positions
+        )

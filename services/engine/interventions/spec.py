@@ -1,0 +1,167 @@
+"""The request-side schema of interventions: steering, gates, read-outs and capture.
+
+One schema for Python, HTTP and gRPC: pydantic models that a JSON body validates into.
+Structure is checked here (names, enums, signs); what depends on the model or on the
+engine's vector registry (layer ranges, hidden size, vector names) is checked when the
+engine resolves the spec (`resolve.py`).
+
+A vector value is a JSON float list (or a list of per-layer lists), a packed tensor
+`{"dtype", "shape", "data"}` (see `services/common/wire.py`), or the name of a vector in
+the engine's registry.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from services.common.errors import InvalidRequestError
+from services.engine.interventions.sites import parse_site
+
+
+def _site(value: Any) -> str:
+    try:
+        return parse_site(value)
+    except InvalidRequestError as exc:
+        raise ValueError(str(exc)) from None
+
+
+Site = Annotated[str, BeforeValidator(_site)]
+VectorValue = list[float] | list[list[float]] | dict[str, Any] | str
+Phase = Literal["prefill", "decode", "both"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class SteerVector(_Strict):
+    """Add `scale · vector` to the residual at `site` of each of `layers`, in `phase`."""
+
+    site: Site = "post_block"
+    layers: list[Annotated[int, Field(ge=0)]] | None = None  # None: every layer a named vector has
+    vector: VectorValue
+    scale: float = 1.0
+    phase: Phase = "both"
+
+
+class ProbeCondition(_Strict):
+    """`sigmoid(sharpness · (h·probe − threshold)) > 0.5` at one (layer, site)."""
+
+    probe: VectorValue
+    site: Site = "post_block"
+    layer: Annotated[int, Field(ge=0)]
+    threshold: float = 0.0
+    sharpness: Annotated[float, Field(gt=0)] = 1.0
+
+
+class GateAdd(_Strict):
+    vector: VectorValue
+    scale: float = 1.0
+
+
+class GateAttenuate(_Strict):
+    """Remove `scale` × the component along `vector` (default: the gate's own probe)."""
+
+    vector: VectorValue | None = None
+    scale: Annotated[float, Field(ge=0)] = 1.0
+
+
+class GateApply(_Strict):
+    add: GateAdd | None = None
+    attenuate: GateAttenuate | Annotated[float, Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> GateApply:
+        if (self.add is None) == (self.attenuate is None):
+            raise ValueError("a gate's `apply` needs exactly one of `add` or `attenuate`")
+        return self
+
+
+class Gate(_Strict):
+    """When the probe fires on a decode token, apply `apply` at the probe's (layer, site).
+
+    `this_token`: only tokens on which the probe fires. `rest_of_request`: from the first
+    firing on, every later decode token of the request (the gate latches).
+    """
+
+    when: ProbeCondition
+    scope: Literal["this_token", "rest_of_request"] = "this_token"
+    apply: GateApply
+
+
+class SteeringSpec(_Strict):
+    """Per-request steering: static vectors, probe-gated vectors, and probe-triggered stops."""
+
+    vectors: list[SteerVector] = []
+    gates: list[Gate] = []
+    abort_when: list[ProbeCondition] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_abort(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("abort_when"), dict):
+            data = {**data, "abort_when": [data["abort_when"]]}
+        return data
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.vectors or self.gates or self.abort_when)
+
+
+class Readout(_Strict):
+    """Report `h·probe` at (layer, site) for every generated token, under `name`."""
+
+    probe: VectorValue
+    site: Site = "post_block"
+    layer: Annotated[int, Field(ge=0)]
+    name: str | None = None
+
+
+CapturePositions = Literal["last_prompt", "all_prompt", "all_generated", "all"]
+
+
+class CaptureSpec(_Strict):
+    """Which pristine residuals to return: `{site: [layers] | "all"}` at `positions`."""
+
+    sites: dict[Site, list[Annotated[int, Field(ge=0)]] | Literal["all"]]
+    positions: CapturePositions | list[Annotated[int, Field(ge=0)]] = "last_prompt"
+    sink: Literal["inline"] = "inline"
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> CaptureSpec:
+        if not self.sites:
+            raise ValueError("capture.sites is empty: name at least one site")
+        if isinstance(self.positions, list) and not self.positions:
+            raise ValueError("capture.positions is an empty list")
+        return self
+
+
+def _parse(model: type[BaseModel], value: Any, what: str) -> Any:
+    if value is None or isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or what}: {e['msg']}" for e in exc.errors()
+        )
+        raise InvalidRequestError(f"invalid {what}: {problems}") from None
+
+
+def parse_steering(value: Any) -> SteeringSpec | None:
+    spec = _parse(SteeringSpec, value, "steering")
+    return None if spec is None or spec.is_empty else spec
+
+
+def parse_capture(value: Any) -> CaptureSpec | None:
+    return _parse(CaptureSpec, value, "capture")
+
+
+def parse_readouts(value: Any) -> list[Readout]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise InvalidRequestError("invalid readouts: expected a list of {probe, site, layer}")
+    return [_parse(Readout, v, f"readouts[{i}]") for i, v in enumerate(value)]

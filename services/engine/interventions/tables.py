@@ -1,0 +1,194 @@
+"""Steering tables on the device, and the row pools that hand out their rows.
+
+Per site, tables are indexed `[layer, row]`: row 0 is zero, row 1 the global prefill
+vector, row 2 the global decode vector, then the per-request pool, then the
+dynamic-override pool. A request holds one row index across every (layer, site), so a
+step carries one row index per token and one kernel launch per site serves the whole
+batch however many distinct configs it holds. Big tables are allocated per site on first
+use; unused ones read a shared zero table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from services.engine.interventions.resolve import RowContent, SiteKey
+from services.engine.interventions.sites import SITES
+
+ZERO_ROW, GLOBAL_PREFILL_ROW, GLOBAL_DECODE_ROW = 0, 1, 2
+NUM_FIXED_ROWS = 3
+
+# gate_params columns (the kernel's layout)
+G_ACTIVE, G_THRESHOLD, G_SHARPNESS, G_SCALE, G_ATTENUATE, G_BIT, G_LATCH = range(7)
+# mon_params columns
+M_ACTIVE, M_THRESHOLD, M_SHARPNESS, M_GATE_ROWS = range(4)
+
+
+class RowPool:
+    """Rows [start, start + size) of every table; identical contents share a row."""
+
+    def __init__(self, start: int, size: int, share: bool):
+        self.start, self.size, self.share = start, size, share
+        self.free = list(range(start + size - 1, start - 1, -1))  # pop() gives the lowest
+        self.refs: Counter[int] = Counter()
+        self.by_digest: dict[bytes, int] = {}
+        self.digest_of: dict[int, bytes] = {}
+
+    @property
+    def used(self) -> int:
+        return self.size - len(self.free)
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self.by_digest.get(digest) if self.share else None
+
+    def acquire(self, digest: bytes) -> int | None:
+        """A fresh row (None when the pool is full); the caller writes its content."""
+        if not self.free:
+            return None
+        row = self.free.pop()
+        self.refs[row] = 1
+        if self.share:
+            self.by_digest[digest] = row
+            self.digest_of[row] = digest
+        return row
+
+    def ref(self, row: int) -> None:
+        self.refs[row] += 1
+
+    def release(self, row: int) -> bool:
+        """Drop one reference; True when the row became free (so its content must go)."""
+        self.refs[row] -= 1
+        if self.refs[row] > 0:
+            return False
+        del self.refs[row]
+        d = self.digest_of.pop(row, None)
+        if d is not None:
+            del self.by_digest[d]
+        self.free.append(row)
+        self.free.sort(reverse=True)
+        return True
+
+
+class SteeringTables:
+    """Every steering tensor the fused site op reads, for one engine replica."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        per_request_rows: int,
+        dynamic_rows: int,
+    ):
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+        self.device, self.dtype = device, dtype
+        self.num_rows = NUM_FIXED_ROWS + per_request_rows + dynamic_rows
+        self.request_pool = RowPool(NUM_FIXED_ROWS, per_request_rows, share=True)
+        self.dynamic_pool = RowPool(NUM_FIXED_ROWS + per_request_rows, dynamic_rows, share=False)
+        L, R, H = num_layers, self.num_rows, hidden_size
+        f32 = dict(device=device, dtype=torch.float32)
+        self.row_scale = torch.ones(R, **f32)  # [R]
+        self.vec: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
+        self.gate_probe: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
+        self.gate_vec: dict[str, torch.Tensor] = {}
+        self.gate_params = {s: torch.zeros(L, R, 7, **f32) for s in SITES}
+        self.dyn_vec = {s: torch.zeros(L, H, device=device, dtype=dtype) for s in SITES}
+        self.mon_probe = {s: torch.zeros(L, H, device=device, dtype=dtype) for s in SITES}
+        self.mon_params = {s: torch.zeros(L, 4, **f32) for s in SITES}
+        self._zero = torch.zeros(R, H, device=device, dtype=dtype)
+        # How many installed things read each (layer, site): the kernel runs where > 0.
+        self.site_use: Counter[SiteKey] = Counter()
+        self.dynamic: dict[SiteKey, torch.Tensor] = {}  # host copies, for snapshots
+        self.monitors: dict[SiteKey, dict] = {}
+
+    def _table(self, tables: dict[str, torch.Tensor], site: str) -> torch.Tensor:
+        if site not in tables:
+            L, R, H = self.num_layers, self.num_rows, self.hidden_size
+            tables[site] = torch.zeros(L, R, H, device=self.device, dtype=self.dtype)
+        return tables[site]
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, self.dtype, non_blocking=True)
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def write_row(self, row: int, content: RowContent) -> None:
+        for (layer, site), v in content.vectors.items():
+            self._table(self.vec, site)[layer, row] = self._dev(v)
+        for (layer, site), g in content.gates.items():
+            self._table(self.gate_probe, site)[layer, row] = self._dev(g.probe)
+            self._table(self.gate_vec, site)[layer, row] = self._dev(g.vector)
+            params = [1.0, g.threshold, g.sharpness, g.scale, float(g.attenuate), g.bit, g.latch]
+            self.gate_params[site][layer, row] = torch.tensor(params, dtype=torch.float32)
+        self.site_use.update(content.sites())
+        self.row_scale[row] = 1.0
+
+    def clear_row(self, row: int, content: RowContent) -> None:
+        for layer, site in content.vectors:
+            self.vec[site][layer, row] = 0
+        for layer, site in content.gates:
+            self.gate_params[site][layer, row] = 0
+        self.site_use.subtract(content.sites())
+        self.row_scale[row] = 1.0
+
+    def set_row_scale(self, row: int, scale: float) -> None:
+        self.row_scale[row] = scale
+
+    # -- dynamic tier and monitors --------------------------------------------------------
+
+    def set_dynamic(self, key: SiteKey, vector: torch.Tensor | None) -> None:
+        layer, site = key
+        if key in self.dynamic:
+            self.site_use[key] -= 1
+            del self.dynamic[key]
+        self.dyn_vec[site][layer] = 0 if vector is None else self._dev(vector)
+        if vector is not None:
+            self.dynamic[key] = vector
+            self.site_use[key] += 1
+
+    def set_monitor(
+        self,
+        key: SiteKey,
+        probe: torch.Tensor | None,
+        threshold: float = 0.0,
+        sharpness: float = 1.0,
+        gate_rows: bool = False,
+    ) -> None:
+        layer, site = key
+        if key in self.monitors:
+            self.site_use[key] -= 1
+            del self.monitors[key]
+        if probe is None:
+            self.mon_params[site][layer] = 0
+            self.mon_probe[site][layer] = 0
+            return
+        self.mon_probe[site][layer] = self._dev(probe)
+        params = [1.0, threshold, sharpness, float(gate_rows)]
+        self.mon_params[site][layer] = torch.tensor(params, dtype=torch.float32)
+        self.monitors[key] = {
+            "threshold": threshold,
+            "sharpness": sharpness,
+            "gate_rows": gate_rows,
+        }
+        self.site_use[key] += 1
+
+    # -- what the kernel reads ------------------------------------------------------------
+
+    def active_sites(self) -> set[SiteKey]:
+        return {k for k, n in self.site_use.items() if n > 0}
+
+    def site_args(self, layer: int, site: str) -> dict[str, torch.Tensor]:
+        """The table views the fused op reads at (layer, site)."""
+        return {
+            "vec": self.vec[site][layer] if site in self.vec else self._zero,
+            "row_scale": self.row_scale,
+            "dyn_vec": self.dyn_vec[site][layer],
+            "mon_probe": self.mon_probe[site][layer],
+            "mon_params": self.mon_params[site][layer],
+            "gate_probe": self.gate_probe[site][layer] if site in self.gate_probe else self._zero,
+            "gate_vec": self.gate_vec[site][layer] if site in self.gate_vec else self._zero,
+            "gate_params": self.gate_params[site][layer],
+        }

@@ -1,0 +1,256 @@
+"""The per-site steering op: one fused Triton kernel, its PyTorch reference, a dispatcher.
+
+At one (layer, site) every token's residual gets its global row (prefill or decode), its
+request's row and the dynamic tier, both scaled on decode tokens by the in-graph monitor
+(the row only when `gate_rows` is set), and its request's declarative gate, which fires on
+decode tokens from its own probe. All dot products read the pristine residual. Every switch
+is read from tensors, never branched on in Python, so both paths can be captured in a CUDA
+graph.
+
+Shapes: T tokens in the flattened batch, H hidden size, R rows in the steering table.
+`gate_params` columns: active, threshold, sharpness, scale, attenuate, bit, latch.
+`mon_params`: active, threshold, sharpness, gate_rows.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference serves every call
+    triton = None
+
+# Triton fixes compiled vs interpreted (TRITON_INTERPRET=1: kernels run on CPU tensors) when
+# it is imported, so the dispatcher routes by the same setting.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_BLOCK_H = 1024
+
+
+def steer_reference(
+    h: torch.Tensor,  # [T, H] pristine residual; not modified
+    rows: torch.Tensor,  # [T] int32 steering row of each token (0 = zero row)
+    decode: torch.Tensor,  # [T] float32 1 = decode token, 0 = prefill token
+    vec: torch.Tensor,  # [R, H] row 0 zeros, row 1 global prefill, row 2 global decode
+    row_scale: torch.Tensor,  # [R] float32
+    dyn_vec: torch.Tensor,  # [H]
+    dyn_gain: torch.Tensor,  # [T] float32 (prefill tokens already zeroed by the host)
+    mon_probe: torch.Tensor,  # [H]
+    mon_params: torch.Tensor,  # [4] float32
+    gate_probe: torch.Tensor,  # [R, H]
+    gate_vec: torch.Tensor,  # [R, H]
+    gate_params: torch.Tensor,  # [R, 7] float32
+    latched: torch.Tensor,  # [T] int32 latched-gate bitmask of each token's request
+    fired: torch.Tensor,  # [T] int32 fired-gate bitmask, OR-ed in place
+) -> torch.Tensor:
+    """The steered residual `[T, H]` in h's dtype (computed in float32); ORs into `fired`."""
+    x = h.float()
+    r = rows.long()
+    is_decode = decode != 0
+    d = decode.float()
+    rg = 1 + is_decode.long()
+    one = torch.ones_like(d)
+
+    mon_active, mon_thr, mon_sharp, gate_rows = mon_params.float().unbind()
+    gm = torch.where(
+        mon_active != 0, torch.sigmoid(mon_sharp * (x @ mon_probe.float() - mon_thr)), one
+    )
+    gm_d = torch.where(is_decode, gm, one)  # prefill is never gated
+
+    gp = gate_params.float()[r]  # [T, 7]
+    g_active, g_thr, g_sharp, g_scale, g_att, g_bit, g_latch = gp.unbind(-1)
+    gv = gate_vec.float()[r]  # [T, H]
+    p = torch.sigmoid(g_sharp * ((x * gate_probe.float()[r]).sum(-1) - g_thr))
+    bit = g_bit.long()
+    latched_on = (g_latch != 0) & (((latched.long() >> bit) & 1) != 0)
+    g = g_active * d * torch.where(latched_on, one, p)
+    fire = (g_active != 0) & is_decode & (p > 0.5)
+    fired.bitwise_or_(torch.where(fire, 1 << bit, 0).to(fired.dtype))
+    g_coef = g * g_scale * torch.where(g_att != 0, -(x * gv).sum(-1), one)
+
+    scale = row_scale.float()
+    row_coef = scale[r] * torch.where(gate_rows != 0, gm_d, one)
+    out = (
+        x
+        + scale[rg, None] * vec.float()[rg]
+        + row_coef[:, None] * vec.float()[r]
+        + (dyn_gain.float() * gm_d)[:, None] * dyn_vec.float()
+        + g_coef[:, None] * gv
+    )
+    return out.to(h.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _steer_kernel(
+        h_ptr,
+        out_ptr,
+        rows_ptr,
+        decode_ptr,
+        vec_ptr,
+        row_scale_ptr,
+        dyn_vec_ptr,
+        dyn_gain_ptr,
+        mon_probe_ptr,
+        mon_params_ptr,
+        gate_probe_ptr,
+        gate_vec_ptr,
+        gate_params_ptr,
+        latched_ptr,
+        fired_ptr,
+        stride_h,
+        stride_out,
+        H: tl.constexpr,  # fixed per model, so specializing on it costs one compile
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per token: pass 1 takes the three dot products with the pristine x,
+        # pass 2 writes x plus every steering term.
+        t = tl.program_id(0).to(tl.int64)
+        r = tl.load(rows_ptr + t).to(tl.int64)
+        d = tl.load(decode_ptr + t)
+        is_decode = d != 0
+        rg = 1 + is_decode.to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+
+        mon_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        probe_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        att_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(0, H, BLOCK_H):
+            c = start + cols
+            m = c < H
+            x = tl.load(h_ptr + t * stride_h + c, mask=m, other=0.0).to(tl.float32)
+            mp = tl.load(mon_probe_ptr + c, mask=m, other=0.0).to(tl.float32)
+            gpr = tl.load(gate_probe_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
+            gv = tl.load(gate_vec_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
+            mon_acc += x * mp
+            probe_acc += x * gpr
+            att_acc += x * gv
+        mon_dot = tl.sum(mon_acc, axis=0)
+        probe_dot = tl.sum(probe_acc, axis=0)
+        att_dot = tl.sum(att_acc, axis=0)
+
+        mon_active = tl.load(mon_params_ptr + 0)
+        mon_thr = tl.load(mon_params_ptr + 1)
+        mon_sharp = tl.load(mon_params_ptr + 2)
+        gate_rows = tl.load(mon_params_ptr + 3)
+        gm = tl.where(mon_active != 0, tl.sigmoid(mon_sharp * (mon_dot - mon_thr)), 1.0)
+        gm_d = tl.where(is_decode, gm, 1.0)  # prefill is never gated
+
+        gp = gate_params_ptr + r * 7
+        g_active = tl.load(gp + 0)
+        g_thr = tl.load(gp + 1)
+        g_sharp = tl.load(gp + 2)
+        g_scale = tl.load(gp + 3)
+        g_att = tl.load(gp + 4)
+        bit = tl.load(gp + 5).to(tl.int32)
+        g_latch = tl.load(gp + 6)
+        p = tl.sigmoid(g_sharp * (probe_dot - g_thr))
+        latched_on = (g_latch != 0) & (((tl.load(latched_ptr + t) >> bit) & 1) != 0)
+        g = g_active * d * tl.where(latched_on, 1.0, p)
+        fire = (g_active != 0) & is_decode & (p > 0.5)
+        fired = tl.load(fired_ptr + t)
+        tl.store(fired_ptr + t, fired | tl.where(fire, 1 << bit, 0))
+        g_coef = g * g_scale * tl.where(g_att != 0, -att_dot, 1.0)
+
+        global_coef = tl.load(row_scale_ptr + rg)
+        row_coef = tl.load(row_scale_ptr + r) * tl.where(gate_rows != 0, gm_d, 1.0)
+        dyn_coef = tl.load(dyn_gain_ptr + t) * gm_d
+        for start in range(0, H, BLOCK_H):
+            c = start + cols
+            m = c < H
+            x = tl.load(h_ptr + t * stride_h + c, mask=m, other=0.0).to(tl.float32)
+            v_global = tl.load(vec_ptr + rg * H + c, mask=m, other=0.0).to(tl.float32)
+            v_row = tl.load(vec_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
+            v_dyn = tl.load(dyn_vec_ptr + c, mask=m, other=0.0).to(tl.float32)
+            gv = tl.load(gate_vec_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
+            y = x + global_coef * v_global + row_coef * v_row + dyn_coef * v_dyn + g_coef * gv
+            tl.store(out_ptr + t * stride_out + c, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def steer_triton(
+    h: torch.Tensor,
+    rows: torch.Tensor,
+    decode: torch.Tensor,
+    vec: torch.Tensor,
+    row_scale: torch.Tensor,
+    dyn_vec: torch.Tensor,
+    dyn_gain: torch.Tensor,
+    mon_probe: torch.Tensor,
+    mon_params: torch.Tensor,
+    gate_probe: torch.Tensor,
+    gate_vec: torch.Tensor,
+    gate_params: torch.Tensor,
+    latched: torch.Tensor,
+    fired: torch.Tensor,
+) -> torch.Tensor:
+    """`steer_reference` as one fused Triton launch over the flattened batch."""
+    T, H = h.shape
+    if T == 0:
+        return h.clone()
+    out = torch.empty_like(h, memory_format=torch.contiguous_format)
+    # The kernel indexes every operand but h with its packed strides.
+    packed = (rows, decode, vec, row_scale, dyn_vec, dyn_gain, mon_probe, mon_params)
+    packed += (gate_probe, gate_vec, gate_params, latched, fired)
+    assert h.stride(1) == 1 and all(a.is_contiguous() for a in packed)
+    block_h = min(triton.next_power_of_2(H), MAX_BLOCK_H)
+    _steer_kernel[(T,)](
+        h,
+        out,
+        rows,
+        decode,
+        vec,
+        row_scale,
+        dyn_vec,
+        dyn_gain,
+        mon_probe,
+        mon_params,
+        gate_probe,
+        gate_vec,
+        gate_params,
+        latched,
+        fired,
+        h.stride(0),
+        out.stride(0),
+        H=H,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return out
+
+
+def steer(
+    h: torch.Tensor,
+    rows: torch.Tensor,
+    decode: torch.Tensor,
+    vec: torch.Tensor,
+    row_scale: torch.Tensor,
+    dyn_vec: torch.Tensor,
+    dyn_gain: torch.Tensor,
+    mon_probe: torch.Tensor,
+    mon_params: torch.Tensor,
+    gate_probe: torch.Tensor,
+    gate_vec: torch.Tensor,
+    gate_params: torch.Tensor,
+    latched: torch.Tensor,
+    fired: torch.Tensor,
+) -> torch.Tensor:
+    """The steered residual: Triton on CUDA or under TRITON_INTERPRET=1, else the reference."""
+    fn = steer_triton if triton is not None and (h.is_cuda or INTERPRET) else steer_reference
+    return fn(
+        h,
+        rows,
+        decode,
+        vec,
+        row_scale,
+        dyn_vec,
+        dyn_gain,
+        mon_probe,
+        mon_params,
+        gate_probe,
+        gate_vec,
+        gate_params,
+        latched,
+        fired,
+    )

@@ -1,0 +1,254 @@
+"""The per-site steering op: the reference's semantics, and the Triton kernel against it.
+
+On CPU the kernel runs under the Triton interpreter. Triton decides compiled vs interpreted
+once, when it is imported (its own `tl.sum`, `tl.sigmoid` are jitted then), so the kernel
+tests run in a fresh pytest process with TRITON_INTERPRET=1 set from the start.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.kernels import steer as steer_module
+from services.engine.kernels.steer import steer, steer_reference, steer_triton
+
+# gate_params columns
+ACTIVE, THRESHOLD, SHARPNESS, SCALE, ATTENUATE, BIT, LATCH = range(7)
+
+
+def off_case(T: int, H: int, R: int = 4) -> dict:
+    """Float32 inputs of `steer` with every feature off: a random residual, row 0, prefill."""
+    zeros = torch.zeros
+    return dict(
+        h=torch.randn(T, H, generator=torch.Generator().manual_seed(0)),
+        rows=zeros(T, dtype=torch.int32),
+        decode=zeros(T),
+        vec=zeros(R, H),
+        row_scale=zeros(R),
+        dyn_vec=zeros(H),
+        dyn_gain=zeros(T),
+        mon_probe=zeros(H),
+        mon_params=zeros(4),
+        gate_probe=zeros(R, H),
+        gate_vec=zeros(R, H),
+        gate_params=zeros(R, 7),
+        latched=zeros(T, dtype=torch.int32),
+        fired=zeros(T, dtype=torch.int32),
+    )
+
+
+def random_case(T: int, H: int, R: int = 9, dtype=torch.float32, device="cpu", seed=0) -> dict:
+    """Inputs with every feature on: monitor gating rows, add and attenuate gates on some
+    rows (some latching), latched and already-fired bits, mixed prefill/decode tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g)
+
+    h = randn(T, H)
+    decode = (rand(T) < 0.6).float()
+    vec = randn(R, H)
+    vec[0] = 0
+    row_scale = rand(R) * 2
+    row_scale[R - 1] = 0
+    mon_probe = randn(H) / H**0.5
+    # Threshold at the median monitor score, so the monitor gate is open for about half.
+    mon_params = torch.tensor([1.0, float((h @ mon_probe).median()), 3.0, 1.0])
+    gate_probe = randn(R, H) / H**0.5
+    gate_vec = torch.nn.functional.normalize(randn(R, H), dim=-1)
+    gate_params = torch.zeros(R, 7)
+    gate_params[:, ACTIVE] = (torch.arange(R) % 3 != 0).float()
+    gate_params[:, THRESHOLD] = randn(R) * 0.3
+    gate_params[:, SHARPNESS] = 4.0
+    gate_params[:, SCALE] = rand(R) + 0.5
+    gate_params[:, ATTENUATE] = (torch.arange(R) % 2).float()
+    gate_params[:, BIT] = torch.randperm(31, generator=g)[:R].float()
+    gate_params[:, LATCH] = (rand(R) < 0.5).float()
+    case = dict(
+        h=h,
+        rows=torch.randint(0, R, (T,), generator=g, dtype=torch.int32),
+        decode=decode,
+        vec=vec,
+        row_scale=row_scale,
+        dyn_vec=randn(H),
+        dyn_gain=rand(T) * decode,
+        mon_probe=mon_probe,
+        mon_params=mon_params,
+        gate_probe=gate_probe,
+        gate_vec=gate_vec,
+        gate_params=gate_params,
+        latched=torch.randint(0, 2**31 - 1, (T,), generator=g, dtype=torch.int32),
+        fired=torch.randint(0, 2, (T,), generator=g, dtype=torch.int32) << 30,
+    )
+    as_h = ("h", "vec", "dyn_vec", "mon_probe", "gate_probe", "gate_vec")
+    return {k: v.to(device, dtype if k in as_h else v.dtype) for k, v in case.items()}
+
+
+def run(fn, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fn` on a copy of `case`: the output and the updated `fired`."""
+    case = {k: v.clone() for k, v in case.items()}
+    return fn(**case), case["fired"]
+
+
+# --- the Triton kernel, interpreted, against the reference ---
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted_only = pytest.mark.skipif(
+    not INTERPRETED, reason="run under TRITON_INTERPRET=1 by test_triton_under_interpreter"
+)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already interpreting: the kernel tests run here")
+def test_triton_under_interpreter():
+    pytest.importorskip("triton")
+    select = "triton and not under_interpreter"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
+        cwd=Path(__file__).parents[4],  # the repo root, so `services` imports
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+
+
+@interpreted_only
+@pytest.mark.parametrize("T,H", [(24, 48), (24, 100), (16, 1500)])  # 1500: two H tiles
+def test_triton_matches_reference(T, H):
+    case = random_case(T, H)
+    ref, ref_fired = run(steer_reference, case)
+    out, fired = run(steer_triton, case)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fired, ref_fired)
+    assert ref_fired.ne(case["fired"]).any(), "the case should fire some gates"
+
+
+@interpreted_only
+def test_triton_is_dispatched_when_interpreting(monkeypatch):
+    # The reference is swapped out, so a match proves the kernel ran.
+    monkeypatch.setattr(steer_module, "steer_reference", None)
+    case = random_case(8, 48)
+    ref, ref_fired = run(steer_reference, case)
+    out, fired = run(steer, case)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fired, ref_fired)
+
+
+@interpreted_only
+def test_triton_empty_batch():
+    case = random_case(0, 48)
+    assert run(steer_triton, case)[0].shape == (0, 48)
+
+
+# --- semantics of the reference ---
+
+
+def test_everything_off_returns_residual_exactly():
+    case = off_case(6, 16)
+    out, fired = run(steer_reference, case)
+    assert torch.equal(out, case["h"])
+    assert not fired.any()
+
+
+def test_zero_scale_suppresses_exactly_that_row():
+    case = off_case(4, 16, R=5)
+    case["rows"][:] = torch.tensor([3, 3, 4, 4], dtype=torch.int32)
+    case["vec"][3:] = torch.randn(2, 16)
+    case["row_scale"][3:] = 1.0
+    full, _ = run(steer_reference, case)
+    case["row_scale"][3] = 0.0
+    out, _ = run(steer_reference, case)
+    assert torch.equal(out[:2], case["h"][:2])
+    assert torch.equal(out[2:], full[2:])
+
+
+def test_prefill_is_never_gated():
+    case = off_case(3, 16)
+    h = case["h"]
+    case["rows"][:] = 3
+    case["vec"][3] = torch.randn(16)
+    case["row_scale"][3] = 1.0
+    case["dyn_vec"][:] = torch.randn(16)
+    case["dyn_gain"][:] = 0.5
+    # The monitor would close everything and the gate would fire on every token.
+    case["mon_params"][:] = torch.tensor([1.0, 1e6, 10.0, 1.0])
+    case["gate_probe"][3] = h[0]
+    case["gate_vec"][3] = torch.randn(16)
+    case["gate_params"][3] = torch.tensor([1.0, -1e6, 10.0, 1.0, 0.0, 5.0, 1.0])
+    case["latched"][:] = 1 << 5
+    out, fired = run(steer_reference, case)
+    torch.testing.assert_close(out, h + case["vec"][3] + 0.5 * case["dyn_vec"])
+    assert not fired.any()
+
+
+@pytest.mark.parametrize("open_", [True, False])
+def test_monitor_threshold_switches_the_gate(open_):
+    case = off_case(1, 16)
+    h = case["h"]
+    case["decode"][:] = 1.0
+    case["rows"][:] = 3
+    case["vec"][3] = torch.randn(16)
+    case["row_scale"][3] = 1.0
+    case["dyn_vec"][:] = torch.randn(16)
+    case["dyn_gain"][:] = 1.0
+    case["mon_probe"][:] = torch.randn(16)
+    score = float(h[0] @ case["mon_probe"])
+    threshold = score - 1 if open_ else score + 1
+    case["mon_params"][:] = torch.tensor([1.0, threshold, 1e4, 1.0])
+    out, _ = run(steer_reference, case)
+    steered = h + case["vec"][3] + case["dyn_vec"]
+    torch.testing.assert_close(out, steered if open_ else h)
+
+
+@pytest.mark.parametrize("latched", [True, False])
+def test_latched_bit_forces_gate_on(latched):
+    case = off_case(1, 16)
+    h = case["h"]
+    case["decode"][:] = 1.0
+    case["rows"][:] = 3
+    case["gate_probe"][3] = h[0]
+    case["gate_vec"][3] = torch.randn(16)
+    # The probe score |x|² is far below the threshold: only the latch can open the gate.
+    case["gate_params"][3] = torch.tensor([1.0, 1e6, 10.0, 0.5, 0.0, 7.0, 1.0])
+    case["latched"][:] = (1 << 7) if latched else (1 << 6)
+    out, fired = run(steer_reference, case)
+    expected = h + 0.5 * case["gate_vec"][3] if latched else h
+    torch.testing.assert_close(out, expected)
+    assert not fired.any()  # a latch holds the gate open; it does not count as firing
+
+
+def test_gate_fires_its_bit():
+    case = off_case(2, 16)
+    case["decode"][:] = 1.0
+    case["rows"][:] = 3
+    case["gate_probe"][3] = case["h"][0]
+    case["gate_params"][3] = torch.tensor([1.0, 0.0, 10.0, 1.0, 0.0, 9.0, 0.0])
+    case["fired"][:] = 1 << 2
+    _, fired = run(steer_reference, case)
+    score = case["h"] @ case["h"][0]
+    assert fired.tolist() == [(1 << 2) | ((1 << 9) if s > 0 else 0) for s in score.tolist()]
+    assert fired[0] == (1 << 2) | (1 << 9)
+
+
+def test_attenuate_removes_component():
+    case = off_case(3, 16)
+    h = case["h"]
+    u = torch.nn.functional.normalize(torch.randn(16), dim=0)
+    case["decode"][:] = 1.0
+    case["rows"][:] = 3
+    case["gate_vec"][3] = u
+    case["gate_params"][3] = torch.tensor([1.0, -1e6, 10.0, 1.0, 1.0, 0.0, 0.0])
+    out, _ = run(steer_reference, case)
+    torch.testing.assert_close(out, h - (h @ u)[:, None] * u)
+    torch.testing.assert_close(out @ u, torch.zeros(3), atol=1e-6, rtol=0)
