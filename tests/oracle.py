@@ -94,22 +94,26 @@ def _site_hooks(model, layer: int, site: str, fn):
 
 
 @torch.inference_mode()
-def hf_edited_logprobs(model_dir: Path, ids: list[int], edits: dict) -> torch.Tensor:
+def hf_edited_logprobs(
+    model_dir: Path, ids: list[int], edits: dict, dtype=torch.float32, device="cpu"
+) -> torch.Tensor:
     """[len(ids), V] log-softmax with `edits[(layer, site)] = fn(h [T, H]) -> [T, H]` hooked in."""
-    model = hf_model(model_dir)
+    model = hf_model(model_dir, dtype, device)
     handles = [_site_hooks(model, L, s, fn) for (L, s), fn in edits.items()]
     try:
-        logits = model(torch.tensor([ids])).logits[0].float()
+        logits = model(torch.tensor([ids], device=device)).logits[0].float()
     finally:
         for h in handles:
             h.remove()
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 @torch.inference_mode()
-def hf_residuals(model_dir: Path, ids: list[int], keys: list[tuple[int, str]]) -> dict:
+def hf_residuals(
+    model_dir: Path, ids: list[int], keys: list[tuple[int, str]], dtype=torch.float32, device="cpu"
+) -> dict:
     """The pristine residual [len(ids), H] at each (layer, site), read with hooks."""
-    model = hf_model(model_dir)
+    model = hf_model(model_dir, dtype, device)
     seen: dict = {}
 
     def recorder(key):
@@ -121,7 +125,7 @@ def hf_residuals(model_dir: Path, ids: list[int], keys: list[tuple[int, str]]) -
 
     handles = [_site_hooks(model, L, s, recorder((L, s))) for L, s in keys]
     try:
-        model(torch.tensor([ids]))
+        model(torch.tensor([ids], device=device))
     finally:
         for h in handles:
             h.remove()

@@ -70,7 +70,7 @@ def _assert_matches(out, ref: torch.Tensor, prompt: list[int]) -> None:
 def _add(vec: torch.Tensor, from_position: int = 0):
     def fn(h):
         out = h.clone()
-        out[from_position:] += vec
+        out[from_position:] += vec.to(h)
         return out
 
     return fn

@@ -1,0 +1,396 @@
+"""Per-request steering overhead: Coxswain steered against unsteered, and `transformers` hooks.
+
+One fixed workload (random prompt ids of one length, one output length, greedy,
+`ignore_eos`) runs in this one process through Coxswain unsteered, Coxswain with K distinct
+per-request steering configs (request i gets config i % K; each config adds its own random
+vector at post_block of a couple of layers, phase both), Coxswain with an all-layer
+last-prompt-token capture on every request, and `transformers` `generate` unsteered and with
+forward hooks that add each batch row's own vector (the way researchers steer today).
+
+    python3 benchmarks/steering_overhead.py                      # tiny model on CPU
+    python3 benchmarks/steering_overhead.py --layers 16 --hidden 2048 --heads 16 \\
+        --kv-heads 8 --intermediate 5632 --vocab 32000 --num-seqs 128 --prompt-len 256 \\
+        --output-len 128                                         # ~0.9B model on CUDA
+
+Prints numbers only; it is never a pass/fail test. It does warn when steering changed no
+output, because a no-op steering path would look free here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Run as a script, Python puts benchmarks/ on sys.path (which finds throughput.py) but not the
+# repo root (which holds `services`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from throughput import DTYPES, hf_generate, load_hf, sync
+
+from services.engine import LLM, SamplingParams
+from services.engine.model.config import load_model_config
+from services.engine.model.tiny import make_tiny_checkpoint
+
+CAPTURE = {"sites": {"post_block": "all"}, "positions": "last_prompt"}
+
+
+@dataclass
+class RunResult:
+    """One configuration's timed pass over the workload."""
+
+    config: str
+    generated_tokens: int
+    seconds: float
+    outputs: list[list[int]] = field(repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+
+def steering_vectors(k: int, hidden: int, seed: int) -> torch.Tensor:  # [k, H] float32
+    """`k` random unit vectors; row j is the same for every k > j, so the K=8 configs of
+    Coxswain and of the HF hooks are the same eight vectors."""
+    rows = [
+        torch.randn(hidden, generator=torch.Generator().manual_seed(seed * 100_003 + j))
+        for j in range(k)
+    ]
+    v = torch.stack(rows)
+    return v / v.norm(dim=-1, keepdim=True)
+
+
+def greedy(n: int, **interventions: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **interventions)
+
+
+def steered_params(
+    vectors: torch.Tensor, layers: list[int], scale: float, n: int
+) -> list[SamplingParams]:
+    """One SamplingParams per config: add `scale · vectors[j]` after each of `layers`."""
+    return [
+        greedy(
+            n,
+            steering={
+                "vectors": [
+                    {
+                        "site": "post_block",
+                        "layers": layers,
+                        "vector": v.tolist(),
+                        "scale": scale,
+                        "phase": "both",
+                    }
+                ]
+            },
+        )
+        for v in vectors
+    ]
+
+
+# -- Coxswain ----------------------------------------------------------------------------
+
+
+def run_coxswain(
+    llm: LLM,
+    name: str,
+    prompts: list[list[int]],
+    configs: list[SamplingParams],
+    device: torch.device,
+) -> tuple[RunResult, list[Any]]:
+    """All requests submitted at once, request i with `configs[i % len(configs)]`."""
+    params = [configs[i % len(configs)] for i in range(len(prompts))]
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    return RunResult(name, sum(map(len, outputs)), seconds, outputs), outs
+
+
+# -- Hugging Face ------------------------------------------------------------------------
+
+
+class RowSteeringHooks:
+    """Forward hooks on decoder layers that add batch row b's own vector to every position
+    of row b (prompt and generated: phase both), like `tests/oracle.py`'s post_block hook
+    but per batch row. Set `rows` ([B, H], already scaled) before each batch."""
+
+    def __init__(self, model: Any, layers: list[int]):
+        self.rows: torch.Tensor | None = None
+        self.handles = [model.model.layers[L].register_forward_hook(self._add) for L in layers]
+
+    def _add(self, module: Any, args: Any, out: Any) -> Any:
+        h = out[0] if isinstance(out, tuple) else out  # [B, T, H]
+        h = h + self.rows[:, None, :]
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def run_hf(
+    model: Any,
+    name: str,
+    prompts: list[list[int]],
+    output_len: int,
+    batch_size: int,
+    device: torch.device,
+    hooks: RowSteeringHooks | None = None,
+    row_vectors: torch.Tensor | None = None,  # [K, H] scaled, on device; request i gets i % K
+) -> RunResult:
+    """Static left-padded `generate` batches in request order (`throughput.hf_generate`)."""
+    outputs: list[list[int]] = []
+    sync(device)
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        batch = prompts[b : b + batch_size]
+        if hooks is not None:
+            idx = torch.arange(b, b + len(batch), device=device) % len(row_vectors)
+            hooks.rows = row_vectors[idx]
+        outputs.extend(hf_generate(model, batch, output_len, device).tolist())
+    sync(device)
+    seconds = time.perf_counter() - start
+    return RunResult(name, sum(map(len, outputs)), seconds, outputs)
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="a local HF checkpoint dir (default: generate one)")
+    g = p.add_argument_group("generated model (without --model)")
+    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--hidden", type=int, default=256)
+    g.add_argument("--heads", type=int, default=8)
+    g.add_argument("--kv-heads", type=int, default=4)
+    g.add_argument("--intermediate", type=int, help="default: make_tiny_checkpoint's")
+    g.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, else fp32")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-seqs", type=int, default=64)
+    w.add_argument("--prompt-len", type=int, default=128)
+    w.add_argument("--output-len", type=int, default=64)
+    w.add_argument("--ks", default="1,8,32,128", help="distinct steering configs per run")
+    w.add_argument("--hf-k", type=int, default=8, help="distinct configs of the HF hooks run")
+    w.add_argument("--steer-layers", help="comma-separated (default: layers L/3 and 2L/3)")
+    w.add_argument("--scale", type=float, default=4.0, help="scale of the unit vectors")
+    e = p.add_argument_group("engines")
+    e.add_argument("--hf-batch-size", type=int, help="default: num-seqs")
+    e.add_argument("--skip-hf", action="store_true", help="run Coxswain only")
+    e.add_argument("--max-num-seqs", type=int, help="Coxswain's (default: num-seqs)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per config; best counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy machine)"
+    )
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")
+    args.ks = [int(k) for k in args.ks.split(",") if k]
+    args.hf_batch_size = args.hf_batch_size or args.num_seqs
+    args.max_num_seqs = args.max_num_seqs or args.num_seqs
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="coxswain-bench-") as tmp:
+        if args.model is None:
+            t = time.perf_counter()
+            model_dir = make_tiny_checkpoint(
+                Path(tmp) / "model",
+                layers=args.layers,
+                hidden=args.hidden,
+                heads=args.heads,
+                kv_heads=args.kv_heads,
+                intermediate=args.intermediate,
+                vocab=args.vocab,
+                max_position_embeddings=max(1024, args.prompt_len + args.output_len),
+                dtype=args.dtype,
+                seed=args.seed,
+            )
+            print(f"built a random checkpoint in {time.perf_counter() - t:.1f}s")
+        else:
+            model_dir = args.model
+        bench(args, model_dir)
+
+
+def bench(args: argparse.Namespace, model_dir: Path) -> None:
+    """Time every configuration and print the table and the sanity checks."""
+    device, dtype = args.device, DTYPES[args.dtype]
+    cfg = load_model_config(model_dir)
+    if args.prompt_len + args.output_len > cfg.max_position_embeddings:
+        raise SystemExit(
+            f"prompt-len + output-len exceeds max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    L, H = cfg.num_layers, cfg.hidden_size
+    layers = (
+        [int(x) for x in args.steer_layers.split(",")]
+        if args.steer_layers
+        else sorted({L // 3, 2 * L // 3})
+    )
+    rng = random.Random(args.seed)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(cfg.vocab_size) for _ in range(length)] for _ in range(n)]
+
+    work = prompts(args.num_seqs, args.prompt_len)
+    warm = prompts(min(8, args.num_seqs), 32)
+    n_out = args.output_len
+    vectors = steering_vectors(max([*args.ks, args.hf_k]), H, args.seed)  # [K, H]
+
+    where = f"{device}" + (
+        f" ({torch.cuda.get_device_name(device)})"
+        if device.type == "cuda"
+        else f", {torch.get_num_threads()} CPU threads"
+    )
+    print(
+        f"model {model_dir} ({cfg.architecture}, {L} layers, hidden {H}, "
+        f"{cfg.num_heads}/{cfg.num_kv_heads} heads, intermediate {cfg.intermediate_size}, "
+        f"vocab {cfg.vocab_size}) on {where}, {args.dtype}"
+    )
+    print(
+        f"workload: {args.num_seqs} requests x {args.prompt_len} prompt tokens -> {n_out} "
+        f"generated, greedy, ignore_eos, seed {args.seed}; steering: unit vectors x "
+        f"{args.scale} at post_block of layers {layers}, phase both; capture: {CAPTURE}"
+    )
+
+    def best(run: Any) -> Any:
+        """The fastest of `--repeats` timed runs (its result first if run returns a tuple)."""
+        results = [run() for _ in range(args.repeats)]
+        print("DBG", [round((r[0] if isinstance(r, tuple) else r).seconds, 2) for r in results])
+
+        def tps(r: Any) -> float:
+            return (r[0] if isinstance(r, tuple) else r).tokens_per_s
+
+        return max(results, key=tps)
+
+    # HF first, freed before Coxswain sizes its KV cache from the free CUDA memory.
+    hf: list[RunResult] = []
+    if not args.skip_hf:
+        model = load_hf(model_dir, device, dtype)
+        # Static batches via generate (KV cache, one prefill per batch): HF's fast path. With
+        # one prompt length there is no padding, so no row does wasted work.
+        run_hf(model, "warm-up", warm, 8, len(warm), device)
+        hf.append(
+            best(lambda: run_hf(model, "hf unsteered", work, n_out, args.hf_batch_size, device))
+        )
+        hooks = RowSteeringHooks(model, layers)
+        rows = (args.scale * vectors[: args.hf_k]).to(device, dtype)  # [K, H]
+        run_hf(model, "warm-up", warm, 8, len(warm), device, hooks, rows)
+        name = f"hf hooks K={args.hf_k}"
+        hf.append(
+            best(
+                lambda: run_hf(model, name, work, n_out, args.hf_batch_size, device, hooks, rows)
+            )
+        )
+        hooks.remove()
+        del model, hooks
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    llm = LLM(
+        model_dir,
+        device=str(device),
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        # Every config runs the same prompts: with the prefix cache on, every run after the
+        # first would skip most of its prefill (and steered prefills would not).
+        enable_prefix_caching=False,
+        steering_request_rows=max(256, *args.ks),  # the default pool, or more if K needs it
+        seed=args.seed,
+    )
+    cox: list[RunResult] = []
+    plain = [greedy(n_out)]
+    run_coxswain(llm, "warm-up", warm, [greedy(8)], device)
+    cox.append(best(lambda: run_coxswain(llm, "coxswain unsteered", work, plain, device))[0])
+    by_k: dict[int, RunResult] = {}
+    for k in args.ks:
+        configs = steered_params(vectors[:k], layers, args.scale, n_out)
+        run_coxswain(llm, "warm-up", warm, steered_params(vectors[:k], layers, 1.0, 8), device)
+        distinct = min(k, args.num_seqs)
+        name = f"coxswain K={k}" + (f" ({distinct} used)" if distinct < k else "")
+        by_k[k] = best(lambda c=configs, n=name: run_coxswain(llm, n, work, c, device))[0]
+        cox.append(by_k[k])
+    waits = llm.engine.steering_snapshot()["pools"]["admissions_waiting_for_rows"]
+    run_coxswain(llm, "warm-up", warm, [greedy(8, capture=CAPTURE)], device)
+    cap, cap_outs = best(
+        lambda: run_coxswain(
+            llm, "coxswain capture", work, [greedy(n_out, capture=CAPTURE)], device
+        )
+    )
+    cox.append(cap)
+
+    base = cox[0].tokens_per_s
+    print()
+    print(f"{'config':<26} {'gen tokens':>10} {'seconds':>8} {'tok/s':>9} {'overhead':>9}")
+    for i, r in enumerate(cox + hf):
+        over = "-" if i == 0 else f"{base / r.tokens_per_s - 1:+.1%}"
+        line = (
+            f"{r.config:<26} {r.generated_tokens:>10} {r.seconds:>8.2f} "
+            f"{r.tokens_per_s:>9.1f} {over:>9}"
+        )
+        if i == len(cox) + 1:  # the hooks run, also against its own unsteered run
+            line += f"  ({hf[0].tokens_per_s / r.tokens_per_s - 1:+.1%} vs hf unsteered)"
+        print(line)
+    print(
+        "overhead: extra wall time per generated token against coxswain unsteered "
+        f"(tok/s of coxswain unsteered / tok/s - 1); best of {args.repeats} timed run(s) each"
+    )
+    if waits:
+        print(f"coxswain: {waits} admissions waited for a free steering row")
+
+    # Cheap checks that the steering and capture paths really did their work.
+    print()
+
+    def changed(run: RunResult, ref: RunResult) -> int:
+        return sum(a != b for a, b in zip(run.outputs, ref.outputs, strict=True))
+
+    n = args.num_seqs
+    checks = []
+    if args.hf_k in by_k:
+        checks.append((f"coxswain K={args.hf_k}", changed(by_k[args.hf_k], cox[0])))
+    if hf:
+        checks.append((hf[1].config, changed(hf[1], hf[0])))
+    for what, count in checks:
+        print(f"steering changed the greedy output of {count}/{n} requests ({what})")
+        if count == 0:
+            print(f"WARNING: {what} changed no output: steering may not have been applied")
+    if hf and args.hf_k in by_k:
+        same = n - changed(by_k[args.hf_k], hf[1])
+        print(f"coxswain K={args.hf_k} and {hf[1].config} outputs identical in {same}/{n} requests")
+    want = {f"{layer}.post_block" for layer in range(L)}
+    complete = sum(
+        set(o.captures or {}) == want and all(t.shape == (1, H) for t in o.captures.values())
+        for o in cap_outs
+    )
+    print(f"capture returned all {L} layers' last-prompt residual for {complete}/{n} requests")
+    if complete < n:
+        print("WARNING: some captures are missing or misshapen")
+
+    print()
+    if hf and args.hf_k in by_k:
+        ratio = by_k[args.hf_k].tokens_per_s / hf[1].tokens_per_s
+        print(f"throughput ratio coxswain K={args.hf_k} / hf hooks K={args.hf_k} = {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
