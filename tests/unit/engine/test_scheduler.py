@@ -109,3 +109,20 @@ def test_finish_frees_blocks_and_forks_share_prompt_blocks():
     for seq in g.seqs:
         sched.finish(seq, "abort")
     assert bm.num_free_blocks == 16 and not sched.running and not sched.waiting
+
+
+def test_admit_hook_makes_the_queue_wait_in_order():
+    """A refused admission (no steering row free) holds that request and those behind it."""
+    allowed = {"a"}
+    sched = Scheduler(
+        BlockManager(64, 4),
+        max_num_seqs=8,
+        max_num_batched_tokens=100,
+        admit_hook=lambda seq: seq.group.request_id in allowed,
+    )
+    for rid in "abc":
+        sched.add(_group(rid, 5))
+    assert [s.seq.group.request_id for s in _step(sched).scheduled] == ["a"]
+    assert [s.group.request_id for s in sched.waiting] == ["b", "c"]
+    allowed |= {"b", "c"}
+    assert [s.seq.group.request_id for s in _step(sched).scheduled] == ["a", "b", "c"]
