@@ -276,19 +276,22 @@ class InterventionManager:
     def _apply(self, action: Action) -> None:
         if isinstance(action, SteeringVectorUpdate):
             site = parse_site(action.site)
-            if action.vector is None:
-                vectors = dict.fromkeys(action.layers)
-            else:
-                vectors = self.resolver.layer_vectors(
-                    action.vector, list(action.layers), "SteeringVectorUpdate"
+            vectors: dict[int, torch.Tensor | None] = (
+                dict.fromkeys(action.layers)
+                if action.vector is None
+                else dict(
+                    self.resolver.layer_vectors(
+                        action.vector, list(action.layers), "SteeringVectorUpdate"
+                    )
                 )
+            )
             for layer, vec in vectors.items():
-                self.resolver._layer(layer, "SteeringVectorUpdate")
+                self.resolver.check_layer(layer, "SteeringVectorUpdate")
                 self.tables.set_dynamic((layer, site), None if vec is None else action.scale * vec)
             self._env_changed()
         elif isinstance(action, SteeringMonitorUpdate):
             site = parse_site(action.site)
-            layer = self.resolver._layer(action.layer, "SteeringMonitorUpdate")
+            layer = self.resolver.check_layer(action.layer, "SteeringMonitorUpdate")
             probe = (
                 None
                 if action.probe is None
@@ -307,13 +310,15 @@ class InterventionManager:
         else:
             raise InvalidRequestError(f"unknown action type {type(action).__name__}")
 
-    def _request(self, request_id: str | None, what: str) -> RequestInterventions:
+    def _request(
+        self, request_id: str | None, what: str
+    ) -> tuple[RequestGroup, RequestInterventions]:
         group = self.requests.get(request_id) if request_id is not None else None
         if group is None:
             raise RequestNotFoundError(f"{what}: no unfinished request {request_id!r}")
         if group.interventions is None:
             group.interventions = RequestInterventions(None, None, [])
-        return group.interventions
+        return group, group.interventions
 
     def _apply_scale(self, a: SteeringScaleUpdate) -> None:
         if a.scale != a.scale or a.scale in (float("inf"), float("-inf")):
@@ -328,10 +333,11 @@ class InterventionManager:
             self.dynamic_gain = a.scale
             self._env_changed()
         elif a.tier == "dynamic":
-            self._request(a.request_id, "SteeringScaleUpdate").dyn_gain = a.scale
-            self._refresh_sigs(self.requests[a.request_id])
+            group, iv = self._request(a.request_id, "SteeringScaleUpdate")
+            iv.dyn_gain = a.scale
+            self._refresh_sigs(group)
         else:
-            iv = self._request(a.request_id, "SteeringScaleUpdate")
+            group, iv = self._request(a.request_id, "SteeringScaleUpdate")
             if iv.decode_content.is_empty:
                 raise InvalidRequestError(
                     f"SteeringScaleUpdate: request {a.request_id!r} has no decode steering row"
@@ -340,10 +346,10 @@ class InterventionManager:
                 self._install_override(iv, iv.decode_content, "SteeringScaleUpdate")
             assert iv.override_row is not None
             self.tables.set_row_scale(iv.override_row, a.scale)
-            self._refresh_sigs(self.requests[a.request_id])
+            self._refresh_sigs(group)
 
     def _apply_override(self, a: RequestSteeringOverride) -> None:
-        iv = self._request(a.request_id, "RequestSteeringOverride")
+        group, iv = self._request(a.request_id, "RequestSteeringOverride")
         if a.steering is None:
             self._drop_override(iv)
         else:
@@ -355,7 +361,7 @@ class InterventionManager:
                     raise InvalidRequestError("RequestSteeringOverride: abort_when is not allowed")
                 content = self.resolver.steering(spec).decode
             self._install_override(iv, content, "RequestSteeringOverride")
-        self._refresh_sigs(self.requests[a.request_id])
+        self._refresh_sigs(group)
 
     def _install_override(self, iv: RequestInterventions, content: RowContent, what: str) -> None:
         pool: RowPool = self.tables.dynamic_pool
@@ -377,7 +383,7 @@ class InterventionManager:
         for site, layers in consumer.sites.items():
             parse_site(site)
             for layer in layers:
-                self.resolver._layer(layer, f"consumer {name!r}")
+                self.resolver.check_layer(layer, f"consumer {name!r}")
         self.consumers.append(consumer)
         self.consumer_timing[name] = ConsumerTiming()
 
@@ -523,8 +529,8 @@ class InterventionManager:
         for key, scores in step.scores.items():
             for (i, probe), value in zip(step.readout_meta[key], scores.tolist(), strict=True):
                 if probe.threshold is None:
-                    report.readouts[i] = report.readouts[i] or {}
-                    report.readouts[i][probe.name] = value
+                    reads = report.readouts[i] = report.readouts[i] or {}
+                    reads[probe.name] = value
                 elif probe.fires(value) and report.aborts[i] is None:
                     report.aborts[i] = probe.name
                     self.num_probe_aborts += 1

@@ -148,7 +148,7 @@ class Resolver:
 
     # -- vectors ------------------------------------------------------------------------
 
-    def _layer(self, layer: int, what: str) -> int:
+    def check_layer(self, layer: int, what: str) -> int:
         if not 0 <= layer < self.num_layers:
             raise InvalidRequestError(
                 f"{what}: layer {layer} is out of range (the model has layers "
@@ -176,7 +176,7 @@ class Resolver:
                         f"{what}: `layers` is required with vector {value!r} (it is not per-layer)"
                     )
                 layers = sorted(entry.per_layer)
-            rows = {self._layer(L, what): vector_for_layer(entry, L) for L in layers}
+            rows = {self.check_layer(L, what): vector_for_layer(entry, L) for L in layers}
             return {L: self._check_hidden(v.float(), what) for L, v in rows.items()}
         if layers is None:
             raise InvalidRequestError(f"{what}: `layers` is required with an inline vector")
@@ -196,7 +196,9 @@ class Resolver:
                 f"{what}: {t.shape[0]} vector rows for {len(layers)} layers (give one row per "
                 "listed layer, or a single row for all)"
             )
-        return {self._layer(L, what): (t if t.dim() == 1 else t[i]) for i, L in enumerate(layers)}
+        return {
+            self.check_layer(L, what): (t if t.dim() == 1 else t[i]) for i, L in enumerate(layers)
+        }
 
     def probe(self, value: Any, layer: int, what: str) -> torch.Tensor:
         return self.layer_vectors(value, [layer], what)[layer]
@@ -218,7 +220,7 @@ class Resolver:
             raise InvalidRequestError(f"steering.gates: at most {MAX_GATES} gates per request")
         for i, g in enumerate(spec.gates):
             what = f"steering.gates[{i}]"
-            key = (self._layer(g.when.layer, what), g.when.site)
+            key = (self.check_layer(g.when.layer, what), g.when.site)
             if key in gates:
                 raise InvalidRequestError(
                     f"{what}: a second gate at layer {key[0]} {key[1]} (one gate per site)"
@@ -229,6 +231,7 @@ class Resolver:
                 scale, attenuate = 1.0, False
             else:
                 att = g.apply.attenuate
+                assert att is not None  # GateApply checks exactly one of add/attenuate
                 scale = att if isinstance(att, float | int) else att.scale
                 direction = (
                     probe
@@ -258,7 +261,7 @@ class Resolver:
     def probe_read(
         self, c: ProbeCondition | Readout, what: str, threshold: bool = False
     ) -> ProbeRead:
-        layer = self._layer(c.layer, what)
+        layer = self.check_layer(c.layer, what)
         name = getattr(c, "name", None) or (
             c.probe if isinstance(c.probe, str) else site_key(layer, c.site)
         )
@@ -285,7 +288,7 @@ class Resolver:
         keys: list[SiteKey] = []
         for site, layers in spec.sites.items():
             chosen = range(self.num_layers) if layers == "all" else layers
-            keys += [(self._layer(L, f"capture.sites.{site}"), site) for L in chosen]
+            keys += [(self.check_layer(L, f"capture.sites.{site}"), site) for L in chosen]
         keys.sort(key=lambda k: (k[0], SITES.index(k[1])))
         positions = spec.positions
         return ResolvedCapture(

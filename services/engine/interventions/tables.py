@@ -89,15 +89,15 @@ class SteeringTables:
         self.request_pool = RowPool(NUM_FIXED_ROWS, per_request_rows, share=True)
         self.dynamic_pool = RowPool(NUM_FIXED_ROWS + per_request_rows, dynamic_rows, share=False)
         L, R, H = num_layers, self.num_rows, hidden_size
-        f32 = dict(device=device, dtype=torch.float32)
-        self.row_scale = torch.ones(R, **f32)  # [R]
+        f32 = torch.float32
+        self.row_scale = torch.ones(R, device=device, dtype=f32)  # [R]
         self.vec: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
         self.gate_probe: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
         self.gate_vec: dict[str, torch.Tensor] = {}
-        self.gate_params = {s: torch.zeros(L, R, 7, **f32) for s in SITES}
+        self.gate_params = {s: torch.zeros(L, R, 7, device=device, dtype=f32) for s in SITES}
         self.dyn_vec = {s: torch.zeros(L, H, device=device, dtype=dtype) for s in SITES}
         self.mon_probe = {s: torch.zeros(L, H, device=device, dtype=dtype) for s in SITES}
-        self.mon_params = {s: torch.zeros(L, 4, **f32) for s in SITES}
+        self.mon_params = {s: torch.zeros(L, 4, device=device, dtype=f32) for s in SITES}
         self._zero = torch.zeros(R, H, device=device, dtype=dtype)
         # How many installed things read each (layer, site): the kernel runs where > 0.
         self.site_use: Counter[SiteKey] = Counter()

@@ -191,8 +191,8 @@ def steer_triton(
         return h.clone()
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
     # The kernel indexes every operand but h with its packed strides.
-    packed = (rows, decode, vec, row_scale, dyn_vec, dyn_gain, mon_probe, mon_params)
-    packed += (gate_probe, gate_vec, gate_params, latched, fired)
+    packed = [rows, decode, vec, row_scale, dyn_vec, dyn_gain, mon_probe, mon_params]
+    packed += [gate_probe, gate_vec, gate_params, latched, fired]
     assert h.stride(1) == 1 and all(a.is_contiguous() for a in packed)
     block_h = min(triton.next_power_of_2(H), MAX_BLOCK_H)
     _steer_kernel[(T,)](
