@@ -7,10 +7,10 @@ vector at post_block of a couple of layers, phase both), Coxswain with an all-la
 last-prompt-token capture on every request, and `transformers` `generate` unsteered and with
 forward hooks that add each batch row's own vector (the way researchers steer today).
 
-    python3 benchmarks/steering_overhead.py                      # tiny model on CPU
+    python3 benchmarks/steering_overhead.py           # tiny model, CPU (about 45 s on 2 cores)
     python3 benchmarks/steering_overhead.py --layers 16 --hidden 2048 --heads 16 \\
         --kv-heads 8 --intermediate 5632 --vocab 32000 --num-seqs 128 --prompt-len 256 \\
-        --output-len 128                                         # ~0.9B model on CUDA
+        --output-len 128 --max-num-batched-tokens 8192   # ~0.9B bf16 model, one GPU
 
 Prints numbers only; it is never a pass/fail test. It does warn when steering changed no
 output, because a no-op steering path would look free here.
@@ -24,6 +24,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,34 @@ class RunResult:
     generated_tokens: int
     seconds: float
     outputs: list[list[int]] = field(repr=False)
+    captures: list[dict[str, torch.Tensor] | None] | None = field(default=None, repr=False)
+    all_seconds: list[float] = field(default_factory=list)  # every timed pass, this one's too
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds
+
+
+Run = Callable[[list[list[int]], str], RunResult]  # (prompts, config name) -> result
+
+
+def timed(
+    runs: dict[str, Run], work: list[list[int]], warm: list[list[int]], repeats: int
+) -> dict[str, RunResult]:
+    """Each config's fastest of `repeats` passes over `work`. Untimed first: the first config
+    over `work` (the allocator and the kernels meet the real shapes), every other one over
+    `warm` (its own first-use costs). Passes go round-robin over the configs, so a slow spell
+    of the machine does not land on one config alone."""
+    for i, (name, run) in enumerate(runs.items()):
+        run(work if i == 0 else warm, name)
+    passes: dict[str, list[RunResult]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            passes[name].append(run(work, name))
+    best = {name: max(rs, key=lambda r: r.tokens_per_s) for name, rs in passes.items()}
+    for name, r in best.items():
+        r.all_seconds = [p.seconds for p in passes[name]]
+    return best
 
 
 def steering_vectors(k: int, hidden: int, seed: int) -> torch.Tensor:  # [k, H] float32
@@ -103,7 +128,7 @@ def run_coxswain(
     prompts: list[list[int]],
     configs: list[SamplingParams],
     device: torch.device,
-) -> tuple[RunResult, list[Any]]:
+) -> RunResult:
     """All requests submitted at once, request i with `configs[i % len(configs)]`."""
     params = [configs[i % len(configs)] for i in range(len(prompts))]
     sync(device)
@@ -112,7 +137,8 @@ def run_coxswain(
     sync(device)
     seconds = time.perf_counter() - start
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    return RunResult(name, sum(map(len, outputs)), seconds, outputs), outs
+    captures = [o.captures for o in outs]
+    return RunResult(name, sum(map(len, outputs)), seconds, outputs, captures)
 
 
 # -- Hugging Face ------------------------------------------------------------------------
@@ -120,11 +146,11 @@ def run_coxswain(
 
 class RowSteeringHooks:
     """Forward hooks on decoder layers that add batch row b's own vector to every position
-    of row b (prompt and generated: phase both), like `tests/oracle.py`'s post_block hook
-    but per batch row. Set `rows` ([B, H], already scaled) before each batch."""
+    of row b (prompt and generated: phase both). `tests/oracle.py`'s post_block hook, but
+    with one vector per batch row; set `rows` ([B, H], already scaled) before each batch."""
 
     def __init__(self, model: Any, layers: list[int]):
-        self.rows: torch.Tensor | None = None
+        self.rows = torch.empty(0)
         self.handles = [model.model.layers[L].register_forward_hook(self._add) for L in layers]
 
     def _add(self, module: Any, args: Any, out: Any) -> Any:
@@ -144,21 +170,27 @@ def run_hf(
     output_len: int,
     batch_size: int,
     device: torch.device,
-    hooks: RowSteeringHooks | None = None,
-    row_vectors: torch.Tensor | None = None,  # [K, H] scaled, on device; request i gets i % K
+    steering: tuple[list[int], torch.Tensor] | None = None,
 ) -> RunResult:
-    """Static left-padded `generate` batches in request order (`throughput.hf_generate`)."""
+    """Static batches of `batch_size` through `generate` (`throughput.hf_generate`: left
+    padding, a KV cache, one prefill per batch), in request order. `steering` is (layers,
+    [K, H] scaled vectors): request i gets vector i % K by the hooks."""
+    hooks = RowSteeringHooks(model, steering[0]) if steering else None
     outputs: list[list[int]] = []
-    sync(device)
-    start = time.perf_counter()
-    for b in range(0, len(prompts), batch_size):
-        batch = prompts[b : b + batch_size]
+    try:
+        sync(device)
+        start = time.perf_counter()
+        for b in range(0, len(prompts), batch_size):
+            batch = prompts[b : b + batch_size]
+            if hooks is not None:
+                vectors = steering[1]
+                hooks.rows = vectors[torch.arange(b, b + len(batch), device=device) % len(vectors)]
+            outputs.extend(hf_generate(model, batch, output_len, device).tolist())
+        sync(device)
+        seconds = time.perf_counter() - start
+    finally:
         if hooks is not None:
-            idx = torch.arange(b, b + len(batch), device=device) % len(row_vectors)
-            hooks.rows = row_vectors[idx]
-        outputs.extend(hf_generate(model, batch, output_len, device).tolist())
-    sync(device)
-    seconds = time.perf_counter() - start
+            hooks.remove()
     return RunResult(name, sum(map(len, outputs)), seconds, outputs)
 
 
@@ -191,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-num-seqs", type=int, help="Coxswain's (default: num-seqs)")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per config; best counts")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per config; best counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy machine)"
@@ -270,37 +302,26 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         f"{args.scale} at post_block of layers {layers}, phase both; capture: {CAPTURE}"
     )
 
-    def best(run: Any) -> Any:
-        """The fastest of `--repeats` timed runs (its result first if run returns a tuple)."""
-        results = [run() for _ in range(args.repeats)]
-        print("DBG", [round((r[0] if isinstance(r, tuple) else r).seconds, 2) for r in results])
-
-        def tps(r: Any) -> float:
-            return (r[0] if isinstance(r, tuple) else r).tokens_per_s
-
-        return max(results, key=tps)
-
     # HF first, freed before Coxswain sizes its KV cache from the free CUDA memory.
-    hf: list[RunResult] = []
+    hf: dict[str, RunResult] = {}
+    hf_name = f"hf hooks K={args.hf_k}"
     if not args.skip_hf:
         model = load_hf(model_dir, device, dtype)
-        # Static batches via generate (KV cache, one prefill per batch): HF's fast path. With
-        # one prompt length there is no padding, so no row does wasted work.
-        run_hf(model, "warm-up", warm, 8, len(warm), device)
-        hf.append(
-            best(lambda: run_hf(model, "hf unsteered", work, n_out, args.hf_batch_size, device))
-        )
-        hooks = RowSteeringHooks(model, layers)
         rows = (args.scale * vectors[: args.hf_k]).to(device, dtype)  # [K, H]
-        run_hf(model, "warm-up", warm, 8, len(warm), device, hooks, rows)
-        name = f"hf hooks K={args.hf_k}"
-        hf.append(
-            best(
-                lambda: run_hf(model, name, work, n_out, args.hf_batch_size, device, hooks, rows)
-            )
+        hf = timed(
+            {
+                "hf unsteered": lambda ps, name: run_hf(
+                    model, name, ps, n_out, args.hf_batch_size, device
+                ),
+                hf_name: lambda ps, name: run_hf(
+                    model, name, ps, n_out, args.hf_batch_size, device, (layers, rows)
+                ),
+            },
+            work,
+            warm,
+            args.repeats,
         )
-        hooks.remove()
-        del model, hooks
+        del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -318,78 +339,86 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         steering_request_rows=max(256, *args.ks),  # the default pool, or more if K needs it
         seed=args.seed,
     )
-    cox: list[RunResult] = []
-    plain = [greedy(n_out)]
-    run_coxswain(llm, "warm-up", warm, [greedy(8)], device)
-    cox.append(best(lambda: run_coxswain(llm, "coxswain unsteered", work, plain, device))[0])
-    by_k: dict[int, RunResult] = {}
-    for k in args.ks:
-        configs = steered_params(vectors[:k], layers, args.scale, n_out)
-        run_coxswain(llm, "warm-up", warm, steered_params(vectors[:k], layers, 1.0, 8), device)
-        distinct = min(k, args.num_seqs)
-        name = f"coxswain K={k}" + (f" ({distinct} used)" if distinct < k else "")
-        by_k[k] = best(lambda c=configs, n=name: run_coxswain(llm, n, work, c, device))[0]
-        cox.append(by_k[k])
-    waits = llm.engine.steering_snapshot()["pools"]["admissions_waiting_for_rows"]
-    run_coxswain(llm, "warm-up", warm, [greedy(8, capture=CAPTURE)], device)
-    cap, cap_outs = best(
-        lambda: run_coxswain(
-            llm, "coxswain capture", work, [greedy(n_out, capture=CAPTURE)], device
-        )
+    k_names = {
+        k: f"coxswain K={k}" + (f" ({args.num_seqs} used)" if args.num_seqs < k else "")
+        for k in args.ks
+    }
+    configs = {"coxswain unsteered": [greedy(n_out)]}
+    for k, name in k_names.items():
+        configs[name] = steered_params(vectors[:k], layers, args.scale, n_out)
+    configs["coxswain capture"] = [greedy(n_out, capture=CAPTURE)]
+    cox = timed(
+        {
+            name: lambda ps, name, c=c: run_coxswain(llm, name, ps, c, device)
+            for name, c in configs.items()
+        },
+        work,
+        warm,
+        args.repeats,
     )
-    cox.append(cap)
+    waits = llm.engine.steering_snapshot()["pools"]["admissions_waiting_for_rows"]
+    plain, cap = cox["coxswain unsteered"], cox["coxswain capture"]
+    by_k = {k: cox[name] for k, name in k_names.items()}
 
-    base = cox[0].tokens_per_s
+    base = plain.tokens_per_s
     print()
-    print(f"{'config':<26} {'gen tokens':>10} {'seconds':>8} {'tok/s':>9} {'overhead':>9}")
-    for i, r in enumerate(cox + hf):
-        over = "-" if i == 0 else f"{base / r.tokens_per_s - 1:+.1%}"
+    print(
+        f"{'config':<26} {'gen tokens':>10} {'seconds':>8} {'tok/s':>9} {'overhead':>9}"
+        "  all runs (s)"
+    )
+    for r in [*cox.values(), *hf.values()]:
+        over = "-" if r is plain else f"{base / r.tokens_per_s - 1:+.1%}"
         line = (
             f"{r.config:<26} {r.generated_tokens:>10} {r.seconds:>8.2f} "
-            f"{r.tokens_per_s:>9.1f} {over:>9}"
+            f"{r.tokens_per_s:>9.1f} {over:>9}  " + " ".join(f"{s:.2f}" for s in r.all_seconds)
         )
-        if i == len(cox) + 1:  # the hooks run, also against its own unsteered run
-            line += f"  ({hf[0].tokens_per_s / r.tokens_per_s - 1:+.1%} vs hf unsteered)"
+        if r.config == hf_name:  # HF's own hook overhead too
+            own = hf["hf unsteered"].tokens_per_s / r.tokens_per_s - 1
+            line += f"  ({own:+.1%} vs hf unsteered)"
         print(line)
     print(
-        "overhead: extra wall time per generated token against coxswain unsteered "
-        f"(tok/s of coxswain unsteered / tok/s - 1); best of {args.repeats} timed run(s) each"
+        "overhead: extra wall time per generated token against coxswain unsteered (its "
+        f"tok/s / this tok/s - 1); each row is the fastest of {args.repeats} timed runs"
     )
     if waits:
         print(f"coxswain: {waits} admissions waited for a free steering row")
 
-    # Cheap checks that the steering and capture paths really did their work.
+    # Cheap checks that steering and capture really did their work: a no-op would look free.
     print()
-
-    def changed(run: RunResult, ref: RunResult) -> int:
-        return sum(a != b for a, b in zip(run.outputs, ref.outputs, strict=True))
-
     n = args.num_seqs
-    checks = []
-    if args.hf_k in by_k:
-        checks.append((f"coxswain K={args.hf_k}", changed(by_k[args.hf_k], cox[0])))
+
+    def changed(a: RunResult, b: RunResult) -> int:
+        return sum(x != y for x, y in zip(a.outputs, b.outputs, strict=True))
+
+    checks = [(r, plain) for r in by_k.values()]
     if hf:
-        checks.append((hf[1].config, changed(hf[1], hf[0])))
-    for what, count in checks:
-        print(f"steering changed the greedy output of {count}/{n} requests ({what})")
+        checks.append((hf[hf_name], hf["hf unsteered"]))
+    for steered, ref in checks:
+        count = changed(steered, ref)
+        print(f"{steered.config}: steering changed the greedy output of {count}/{n} requests")
         if count == 0:
-            print(f"WARNING: {what} changed no output: steering may not have been applied")
+            print(f"WARNING: {steered.config} changed no output: was the steering applied?")
     if hf and args.hf_k in by_k:
-        same = n - changed(by_k[args.hf_k], hf[1])
-        print(f"coxswain K={args.hf_k} and {hf[1].config} outputs identical in {same}/{n} requests")
+        # Near-tied logits flip under a different kernel order (often in bf16), so compare
+        # the steered agreement with the unsteered one.
+        for a, b in ((plain, hf["hf unsteered"]), (by_k[args.hf_k], hf[hf_name])):
+            same = n - changed(a, b)
+            print(f"{a.config} and {b.config}: outputs identical in {same}/{n} requests")
     want = {f"{layer}.post_block" for layer in range(L)}
     complete = sum(
-        set(o.captures or {}) == want and all(t.shape == (1, H) for t in o.captures.values())
-        for o in cap_outs
+        c is not None and set(c) == want and all(t.shape == (1, H) for t in c.values())
+        for c in cap.captures
     )
-    print(f"capture returned all {L} layers' last-prompt residual for {complete}/{n} requests")
+    print(f"coxswain capture: all {L} layers' last-prompt residual in {complete}/{n} requests")
     if complete < n:
         print("WARNING: some captures are missing or misshapen")
 
     print()
     if hf and args.hf_k in by_k:
-        ratio = by_k[args.hf_k].tokens_per_s / hf[1].tokens_per_s
-        print(f"throughput ratio coxswain K={args.hf_k} / hf hooks K={args.hf_k} = {ratio:.2f}x")
+        ratio = by_k[args.hf_k].tokens_per_s / hf[hf_name].tokens_per_s
+        print(f"throughput ratio coxswain K={args.hf_k} / {hf_name} = {ratio:.2f}x")
+    else:
+        print(f"throughput coxswain unsteered = {base:.1f} tokens/s (hf skipped)")
 
 
 if __name__ == "__main__":

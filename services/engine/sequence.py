@@ -85,8 +85,11 @@ class Sequence:
         fork) matched under the signatures they would get now, so those are recorded.
         """
         sigs = self.position_sigs
-        sigs.extend(self.kv_sig(p) for p in range(len(sigs), start))
         g, P = self.group, self.num_prompt_tokens
+        if start == len(sigs) and num_tokens == 1:  # the common case: one decode token
+            sigs.append(g.prefill_sig if start < P else g.decode_sig)
+            return
+        sigs.extend(self.kv_sig(p) for p in range(len(sigs), start))
         n_pre = max(0, min(num_tokens, P - start))
         sigs[start : start + num_tokens] = [g.prefill_sig] * n_pre + [g.decode_sig] * (
             num_tokens - n_pre

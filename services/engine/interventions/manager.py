@@ -66,7 +66,7 @@ from services.engine.interventions.tables import (
     SteeringTables,
 )
 from services.engine.interventions.vectors import VectorRegistry
-from services.engine.scheduler import SchedulerOutput
+from services.engine.scheduler import ScheduledSeq, SchedulerOutput
 from services.engine.sequence import RequestGroup, Sequence
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,11 @@ class RequestInterventions:
     def effective_decode_row(self) -> int:
         return self.override_row if self.override_row is not None else self.decode_row
 
-    @property
-    def probes(self) -> list[ProbeRead]:
-        return self.readouts + (self.steering.abort_when if self.steering else [])
+    def __post_init__(self) -> None:
+        # Every probe read on this request's sampled tokens: read-outs, then abort_when.
+        self.probes: list[ProbeRead] = self.readouts + (
+            self.steering.abort_when if self.steering else []
+        )
 
 
 @dataclass
@@ -436,61 +438,41 @@ class InterventionManager:
     # -- the step -------------------------------------------------------------------------
 
     def plan(self, sched: SchedulerOutput) -> StepInterventions | None:
-        """Per-token tensors for this step, or None when nothing intervenes anywhere."""
+        """Per-token tensors for this step, or None when nothing intervenes in it."""
         self.steps += 1
         for s in sched.scheduled:
             s.seq.record_kv_sigs(s.start, s.num_tokens)
         kernel_sites = self.tables.active_sites()
-        view_sites: set[SiteKey] = set()
-        for c in self.consumers:
-            view_sites |= self._consumer_sites(c)
-        any_request = any(s.seq.group.interventions is not None for s in sched.scheduled)
-        if not (kernel_sites or self.consumers or any_request):
-            return None
-        dynamic = bool(self.tables.dynamic)
-        rows: list[int] = []
-        decode: list[float] = []
-        gain: list[float] = []
-        latched: list[int] = []
         capture_rows: dict[SiteKey, list[int]] = {}
         read_rows: dict[SiteKey, list[int]] = {}
         read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = {}
         row0 = 0
         for i, s in enumerate(sched.scheduled):
-            seq, n = s.seq, s.num_tokens
-            iv = seq.group.interventions
-            n_pre = max(0, min(n, seq.num_prompt_tokens - s.start))
-            n_dec = n - n_pre
-            prow = iv.prefill_row if iv else ZERO_ROW
-            drow = iv.effective_decode_row if iv else ZERO_ROW
-            rows += [prow] * n_pre + [drow] * n_dec
-            decode += [0.0] * n_pre + [1.0] * n_dec
-            g = self.dynamic_gain * (iv.dyn_gain if iv else 1.0) if dynamic else 0.0
-            gain += [0.0] * n_pre + [g] * n_dec
-            latched += [0] * n_pre + [iv.latched if iv else 0] * n_dec
-            if iv is not None and iv.capture is not None and seq.index == 0:
-                P = seq.num_prompt_tokens
-                wanted = [row0 + j for j in range(n) if iv.capture.wants(s.start + j, P)]
-                if wanted:
-                    for key in iv.capture.sites:
-                        capture_rows.setdefault(key, []).extend(wanted)
-            if iv is not None and s.samples:
-                for probe in iv.probes:
-                    key = (probe.layer, probe.site)
-                    read_rows.setdefault(key, []).append(row0 + n - 1)
-                    read_meta.setdefault(key, []).append((i, probe))
-            row0 += n
+            iv = s.seq.group.interventions
+            if iv is not None and (iv.capture is not None or iv.probes):
+                self._plan_reads(i, row0, s, iv, capture_rows, read_rows, read_meta)
+            row0 += s.num_tokens
+        if not (kernel_sites or self.consumers or capture_rows or read_rows):
+            return None
 
         def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-        step = StepInterventions(
+        # [T] steering row, latched bits (int32) and decode flag, dynamic gain (float32);
+        # only the kernel reads them, so a step without kernel sites sends none.
+        ints: list[list[int]] = [[], []]
+        floats: list[list[float]] = [[], []]
+        if kernel_sites:
+            self._plan_tokens(sched, ints, floats)
+        rows, latched = tensor(ints, torch.int32)
+        decode, gain = tensor(floats, torch.float32)
+        return StepInterventions(
             tables=self.tables,
             kernel_sites=kernel_sites,
-            rows=tensor(rows, torch.int32),
-            decode=tensor(decode, torch.float32),
-            dyn_gain=tensor(gain, torch.float32),
-            latched=tensor(latched, torch.int32),
+            rows=rows,
+            decode=decode,
+            dyn_gain=gain,
+            latched=latched,
             capture_index={k: tensor(v, torch.long) for k, v in capture_rows.items()},
             readout_index={
                 k: (
@@ -500,9 +482,54 @@ class InterventionManager:
                 for k, v in read_rows.items()
             },
             readout_meta=read_meta,
-            view_sites=view_sites,
+            view_sites={k for c in self.consumers for k in self._consumer_sites(c)},
         )
-        return step
+
+    def _plan_tokens(
+        self, sched: SchedulerOutput, ints: list[list[int]], floats: list[list[float]]
+    ) -> None:
+        rows, latched = ints
+        decode, gain = floats
+        dyn = self.dynamic_gain if self.tables.dynamic else 0.0
+        for s in sched.scheduled:
+            seq, n = s.seq, s.num_tokens
+            iv = seq.group.interventions
+            n_pre = min(n, seq.num_prompt_tokens - s.start)
+            if n_pre > 0:  # prompt tokens (a prefill chunk, or a recompute)
+                rows += [iv.prefill_row if iv else ZERO_ROW] * n_pre
+                latched += [0] * n_pre
+                decode += [0.0] * n_pre
+                gain += [0.0] * n_pre
+            n_dec = n - max(n_pre, 0)
+            if n_dec > 0:
+                rows += [iv.effective_decode_row if iv else ZERO_ROW] * n_dec
+                latched += [iv.latched if iv else 0] * n_dec
+                decode += [1.0] * n_dec
+                gain += [dyn * iv.dyn_gain if iv else dyn] * n_dec
+
+    @staticmethod
+    def _plan_reads(
+        i: int,
+        row0: int,
+        s: ScheduledSeq,
+        iv: RequestInterventions,
+        capture_rows: dict[SiteKey, list[int]],
+        read_rows: dict[SiteKey, list[int]],
+        read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]],
+    ) -> None:
+        """Rows this sequence's captures copy and its probes read, at each (layer, site)."""
+        seq, n = s.seq, s.num_tokens
+        if iv.capture is not None and seq.index == 0:
+            P = seq.num_prompt_tokens
+            wanted = [row0 + j for j in range(n) if iv.capture.wants(s.start + j, P)]
+            if wanted:
+                for key in iv.capture.sites:
+                    capture_rows.setdefault(key, []).extend(wanted)
+        if s.samples:
+            for probe in iv.probes:
+                key = (probe.layer, probe.site)
+                read_rows.setdefault(key, []).append(row0 + n - 1)
+                read_meta.setdefault(key, []).append((i, probe))
 
     def after_forward(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport:
         """Route this step's captures, read-outs and gate firings; returns the read-outs."""
