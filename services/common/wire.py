@@ -124,21 +124,22 @@ def _tensor_from_lists(value: list | tuple, name: str) -> torch.Tensor:
     """`[H]` or `[n, H]` float64 from JSON lists, rejecting bools, strings and ragged rows."""
     if len(value) == 0:
         raise InvalidRequestError(f"{name} is empty")
-    nested = [isinstance(x, list | tuple) for x in value]
-    if all(nested):
-        rows = value
-    elif any(nested):
-        raise InvalidRequestError(f"{name} mixes numbers and lists")
-    else:
-        rows = [value]
+    nested = isinstance(value[0], list | tuple)
+    rows = value if nested else [value]
     width = len(rows[0])
     for i, row in enumerate(rows):
+        if nested and not isinstance(row, list | tuple):
+            raise InvalidRequestError(f"{name} mixes numbers and lists")
         if len(row) != width:
             raise InvalidRequestError(
                 f"{name} is ragged: row {i} has {len(row)} values, row 0 has {width}"
             )
+        if set(map(type, row)) <= {float, int}:  # the common case, checked at C speed
+            continue
         for x in row:
             if isinstance(x, list | tuple):
+                if not nested:
+                    raise InvalidRequestError(f"{name} mixes numbers and lists")
                 raise InvalidRequestError(f"{name} must have 1 or 2 dims, got more")
             if isinstance(x, bool) or not isinstance(x, int | float):
                 raise InvalidRequestError(f"{name} must hold only numbers, got {x!r}")
@@ -146,4 +147,4 @@ def _tensor_from_lists(value: list | tuple, name: str) -> torch.Tensor:
         t = torch.tensor(rows, dtype=torch.float64)
     except (OverflowError, RuntimeError):
         raise InvalidRequestError(f"{name} contains NaN or Inf") from None  # ints past float range
-    return t if all(nested) else t[0]
+    return t if nested else t[0]
