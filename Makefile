@@ -1,7 +1,7 @@
 # Coxswain: `make demo` sets everything up and runs the main job; `make test` runs the tests.
 PY ?= python3
 
-.PHONY: setup demo test lint gpu-test device-wheels
+.PHONY: setup demo test lint proto gpu-test device-wheels
 
 setup:
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
@@ -15,6 +15,23 @@ test:
 
 lint:
 	ruff check services tests benchmarks && ruff format --check services tests benchmarks
+
+# gRPC code from proto/coxswain/v1/*.proto into services/proto/coxswain/v1/ (committed, so
+# users need no grpcio-tools). The generator's version sets the floors in pyproject.toml
+# (protobuf >= its gencode version, grpcio >= its own): bump them together. protoc writes
+# `from coxswain.v1 import`; the sed makes that the `services` package path.
+GRPC_TOOLS_VERSION := 1.78.0
+PROTO_OUT := services/proto
+
+proto:
+	@$(PY) -c "from importlib.metadata import version as v; import sys; \
+		sys.exit(0 if v('grpcio-tools') == '$(GRPC_TOOLS_VERSION)' else \
+		'make proto needs grpcio-tools==$(GRPC_TOOLS_VERSION) (pip install -e .[dev]), found ' + v('grpcio-tools'))"
+	$(PY) -m grpc_tools.protoc -I proto --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
+		--grpc_python_out=$(PROTO_OUT) proto/coxswain/v1/*.proto
+	sed -i.orig 's/^from coxswain\.v1 import/from services.proto.coxswain.v1 import/' \
+		$(PROTO_OUT)/coxswain/v1/*_pb2*.py $(PROTO_OUT)/coxswain/v1/*_pb2.pyi
+	rm -f $(PROTO_OUT)/coxswain/v1/*.orig
 
 # On a CUDA machine (the device tool): PYTHONPATH=. python3 -m pytest -q tests/gpu
 gpu-test:

@@ -1,4 +1,5 @@
-"""The `coxswain` command line: make tiny checkpoints, generate, run the demo."""
+"""The `coxswain` command line: make tiny checkpoints, generate, run the demo, serve the patch
+store."""
 
 from __future__ import annotations
 
@@ -139,6 +140,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_patch_store_serve(args: argparse.Namespace) -> int:
+    """Serve a patch store over gRPC until SIGINT or SIGTERM, then stop gracefully."""
+    import signal
+    import threading
+
+    from services.patch_store.server import serve
+    from services.patch_store.store import PatchStore
+
+    store = PatchStore(int(args.budget_gb * 2**30))
+    server = serve(store, args.host, args.port, int(args.max_message_mb * 2**20))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(
+        f"patch store serving on {server.address} (budget {args.budget_gb:g} GiB, "
+        f"messages up to {args.max_message_mb:g} MiB)",
+        flush=True,
+    )
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        http, _ = start_http_server(args.metrics_port, args.host, registry=store.registry)
+        print(f"metrics on http://{args.host}:{http.server_port}/metrics", flush=True)
+    while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass
+    print("patch store stopping", flush=True)
+    server.stop(grace_s=5.0)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coxswain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model-dir", default=None)
     _add_engine_args(demo)
     demo.set_defaults(func=cmd_demo)
+
+    store = sub.add_parser("patch-store", help="the patch-source store").add_subparsers(
+        dest="patch_store_command", required=True
+    )
+    ps = store.add_parser("serve", help="serve a patch store over gRPC until Ctrl-C")
+    ps.add_argument("--port", type=int, default=50061, help="0: any free port (printed)")
+    ps.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    ps.add_argument("--budget-gb", type=float, default=4.0, help="byte budget in GiB")
+    ps.add_argument("--max-message-mb", type=float, default=64.0, help="gRPC message limit, MiB")
+    ps.add_argument("--metrics-port", type=int, default=None, help="serve prometheus metrics")
+    ps.set_defaults(func=cmd_patch_store_serve)
     return parser
 
 

@@ -1,22 +1,30 @@
-"""The one exception hierarchy of Coxswain, mapped once to HTTP status codes.
+"""The one exception hierarchy of Coxswain, mapped once to HTTP and once to gRPC status codes.
 
 Every error a user can cause is a `CoxswainError` whose message names the problem.
-Servers map these to responses with `http_status`; nothing else decides status codes.
+Servers map these to responses with `http_status` and `grpc_status`; gRPC clients turn a
+status back into the same class with `error_from_grpc`. Nothing else decides status codes.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 
 class CoxswainError(Exception):
     """Base of every error Coxswain raises on purpose."""
 
     http_status = 500
+    grpc_code = "INTERNAL"  # a `grpc.StatusCode` member name; grpc is imported only on use
 
 
 class InvalidRequestError(CoxswainError, ValueError):
     """A request (prompt, sampling values, intervention spec) is malformed or out of range."""
 
     http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -37,6 +45,7 @@ class NotFoundError(CoxswainError, KeyError):
     """An operation named a resource (a request, a registered vector, ...) that does not exist."""
 
     http_status = 404
+    grpc_code = "NOT_FOUND"
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
@@ -50,6 +59,77 @@ class DuplicateRequestError(InvalidRequestError):
     """A request id is already in use by an unfinished request."""
 
 
+class RunNotFoundError(NotFoundError):
+    """An operation named a run id the patch store does not hold (never put, evicted, dropped)."""
+
+
+class RunExistsError(InvalidRequestError):
+    """A run id is already stored and the put did not ask to overwrite it."""
+
+    http_status = 409
+    grpc_code = "ALREADY_EXISTS"
+
+
+class TooLargeError(InvalidRequestError):
+    """A request or payload exceeds a configured size limit (message size, store byte budget)."""
+
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class ServiceUnavailableError(CoxswainError):
+    """A service Coxswain called did not answer in time or could not be reached."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+
 def http_status(exc: BaseException) -> int:
     """The HTTP status code for an exception: 4xx for the caller's mistakes, 500 otherwise."""
     return exc.http_status if isinstance(exc, CoxswainError) else 500
+
+
+# gRPC: servers send the status code plus the class name in this trailing-metadata key, so a
+# client re-raises the exact class (RunNotFoundError, not just NotFoundError).
+GRPC_ERROR_METADATA_KEY = "coxswain-error"
+
+
+def grpc_status(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code for an exception: INVALID_ARGUMENT, NOT_FOUND, ... or INTERNAL."""
+    import grpc
+
+    return grpc.StatusCode[exc.grpc_code if isinstance(exc, CoxswainError) else "INTERNAL"]
+
+
+# Statuses a server sends without naming a class (gRPC's own limits, transport failures).
+_GRPC_FALLBACK: dict[str, type[CoxswainError]] = {
+    "INVALID_ARGUMENT": InvalidRequestError,
+    "OUT_OF_RANGE": InvalidRequestError,
+    "NOT_FOUND": NotFoundError,
+    "ALREADY_EXISTS": RunExistsError,
+    "RESOURCE_EXHAUSTED": TooLargeError,
+    "UNAVAILABLE": ServiceUnavailableError,
+    "DEADLINE_EXCEEDED": ServiceUnavailableError,
+}
+
+
+def error_from_grpc(code_name: str, message: str, error_name: str | None = None) -> CoxswainError:
+    """The exception a gRPC status stands for: the class the server named (when it is one of
+    ours with that status code), else the class for the code, else `CoxswainError`."""
+    cls = _ERROR_CLASSES.get(error_name or "")
+    if cls is None or cls.grpc_code != code_name:
+        cls = _GRPC_FALLBACK.get(code_name, CoxswainError)
+    return cls(f"{message} (gRPC {code_name})" if cls is CoxswainError else message)
+
+
+def _error_classes() -> dict[str, type[CoxswainError]]:
+    found: dict[str, type[CoxswainError]] = {}
+    todo: list[type[CoxswainError]] = [CoxswainError]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return {name: cls for name, cls in found.items() if cls.__module__ == __name__}
+
+
+_ERROR_CLASSES = _error_classes()

@@ -21,7 +21,8 @@ class SamplingParams:
 
     Interventions (schema in `services/engine/interventions/spec.py`): `steering` adds
     vectors, gates and `abort_when` probes; `capture` returns pristine residuals;
-    `readouts` reports probe scores with every generated token. Their structure is checked
+    `readouts` reports probe scores with every generated token; `patch` replaces prompt
+    activations (activation patching). Their structure is checked
     here; layers, sizes and vector names when the engine accepts the request.
     """
 
@@ -43,10 +44,12 @@ class SamplingParams:
     steering: Any = None  # SteeringSpec or its dict form
     capture: Any = None  # CaptureSpec or its dict form
     readouts: Any = None  # list of Readout or their dict forms
+    patch: Any = None  # list of PatchEntry or their dict forms
 
     def __post_init__(self) -> None:
         from services.engine.interventions.spec import (
             parse_capture,
+            parse_patch,
             parse_readouts,
             parse_steering,
         )
@@ -62,6 +65,7 @@ class SamplingParams:
         self.steering = parse_steering(self.steering)
         self.capture = parse_capture(self.capture)
         self.readouts = parse_readouts(self.readouts)
+        self.patch = parse_patch(self.patch)
 
     def _validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:

@@ -76,7 +76,10 @@ class Sequence:
         if position < len(self.position_sigs):
             return self.position_sigs[position]
         g = self.group
-        return g.prefill_sig if position < self.num_prompt_tokens else g.decode_sig
+        sig = g.prefill_sig if position < self.num_prompt_tokens else g.decode_sig
+        if g.patch_from is not None and position >= g.patch_from:
+            sig += g.patch_sig  # a patch changes every position from its first one on
+        return sig
 
     def record_kv_sigs(self, start: int, num_tokens: int) -> None:
         """Note the signatures positions [start, start + num_tokens) are computed under now.
@@ -85,15 +88,23 @@ class Sequence:
         fork) matched under the signatures they would get now, so those are recorded.
         """
         sigs = self.position_sigs
-        g, P = self.group, self.num_prompt_tokens
         if start == len(sigs) and num_tokens == 1:  # the common case: one decode token
-            sigs.append(g.prefill_sig if start < P else g.decode_sig)
+            sigs.append(self.kv_sig(start))
             return
         sigs.extend(self.kv_sig(p) for p in range(len(sigs), start))
-        n_pre = max(0, min(num_tokens, P - start))
-        sigs[start : start + num_tokens] = [g.prefill_sig] * n_pre + [g.decode_sig] * (
-            num_tokens - n_pre
+        del sigs[start:]
+        # The signature only changes at the prompt's end and at a patch's first position.
+        end = start + num_tokens
+        cuts = sorted(
+            {start, end}
+            | {
+                b
+                for b in (self.num_prompt_tokens, self.group.patch_from)
+                if b is not None and start < b < end
+            }
         )
+        for a, b in itertools.pairwise(cuts):
+            sigs += [self.kv_sig(a)] * (b - a)
 
     def extra_keys(self, start: int, end: int) -> tuple:
         """What besides tokens shaped the KV of positions [start, end): the cache salt and the
@@ -134,6 +145,8 @@ class RequestGroup:
     prefill_sig: bytes = b""  # KV signature of prompt positions computed now
     decode_sig: bytes = b""  # KV signature of generated positions computed now
     skip_prefix_cache: bool = False  # every prompt position must be computed (logprobs, capture)
+    patch_from: int | None = None  # the first patched position, if the request patches
+    patch_sig: bytes = b""  # the hash of the request's patches, folded in from `patch_from`
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(self, i) for i in range(self.params.n)]

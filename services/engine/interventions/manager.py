@@ -43,8 +43,10 @@ from services.engine.interventions.consumers import (
 )
 from services.engine.interventions.planner import StepInterventions
 from services.engine.interventions.resolve import (
+    PatchSources,
     ProbeRead,
     ResolvedCapture,
+    ResolvedPatches,
     ResolvedSteering,
     Resolver,
     RowContent,
@@ -55,6 +57,7 @@ from services.engine.interventions.sites import SITES, parse_site, site_key
 from services.engine.interventions.spec import (
     SteeringSpec,
     parse_capture,
+    parse_patch,
     parse_readouts,
     parse_steering,
 )
@@ -79,6 +82,7 @@ class RequestInterventions:
     steering: ResolvedSteering | None
     capture: ResolvedCapture | None
     readouts: list[ProbeRead]
+    patches: ResolvedPatches | None = None
     prefill_row: int = ZERO_ROW
     decode_row: int = ZERO_ROW
     override: RowContent | None = None  # decode content from a controller override
@@ -148,6 +152,7 @@ class InterventionManager:
         self.consumers: list[SyncConsumer] = []
         self.consumer_timing: dict[str, ConsumerTiming] = {}
         self.requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
+        self.patch_sources: PatchSources | None = None  # resolves {"run": ...} patch sources
         self.global_spec: SteeringSpec | None = None
         self.global_rows = {"prefill": RowContent(), "decode": RowContent()}
         self.global_scale = {"prefill": 1.0, "decode": 1.0}
@@ -166,17 +171,31 @@ class InterventionManager:
         steering = parse_steering(p.steering)
         capture = parse_capture(p.capture)
         readouts = parse_readouts(p.readouts)
+        patch = parse_patch(p.patch)
         iv = None
-        if steering or capture or readouts:
+        if steering or capture or readouts or patch:
+            P = len(group.prompt_token_ids)
             iv = RequestInterventions(
                 steering=self.resolver.steering(steering) if steering else None,
                 capture=self.resolver.capture(capture) if capture else None,
                 readouts=self.resolver.readouts(readouts),
+                patches=self.resolver.patches(patch, P, self.patch_sources) if patch else None,
             )
-            if iv.capture and iv.capture.needs_full_prompt(len(group.prompt_token_ids)):
+            if iv.capture and iv.capture.needs_full_prompt(P):
                 group.skip_prefix_cache = True
+            if iv.patches is not None:
+                group.patch_from = iv.patches.first_position
+                group.patch_sig = iv.patches.digest
+                iv.patches = self._on_device(iv.patches)
         group.interventions = iv
         self._refresh_sigs(group)
+
+    def _on_device(self, patches: ResolvedPatches) -> ResolvedPatches:
+        dev, dtype = self.device, self.tables.dtype
+        by_site = {
+            k: [(pos, t.to(dev, dtype), a) for pos, t, a in v] for k, v in patches.by_site.items()
+        }
+        return ResolvedPatches(by_site, patches.first_position, patches.digest)
 
     def add(self, group: RequestGroup) -> None:
         self.requests[group.request_id] = group
@@ -446,13 +465,22 @@ class InterventionManager:
         capture_rows: dict[SiteKey, list[int]] = {}
         read_rows: dict[SiteKey, list[int]] = {}
         read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = {}
+        patch_rows: dict[SiteKey, list[tuple[int, torch.Tensor, float]]] = {}
         row0 = 0
         for i, s in enumerate(sched.scheduled):
             iv = s.seq.group.interventions
             if iv is not None and (iv.capture is not None or iv.probes):
                 self._plan_reads(i, row0, s, iv, capture_rows, read_rows, read_meta)
+            if iv is not None and iv.patches is not None:
+                end = s.start + s.num_tokens
+                for key, entries in iv.patches.by_site.items():
+                    for pos, target, alpha in entries:
+                        if s.start <= pos < end:  # row = token offset + (position − start)
+                            patch_rows.setdefault(key, []).append(
+                                (row0 + pos - s.start, target, alpha)
+                            )
             row0 += s.num_tokens
-        if not (kernel_sites or self.consumers or capture_rows or read_rows):
+        if not (kernel_sites or self.consumers or capture_rows or read_rows or patch_rows):
             return None
 
         def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -482,6 +510,14 @@ class InterventionManager:
                 for k, v in read_rows.items()
             },
             readout_meta=read_meta,
+            patch_index={
+                k: (
+                    tensor([r for r, _, _ in v], torch.long),
+                    torch.stack([t for _, t, _ in v]),
+                    tensor([a for _, _, a in v], torch.float32),
+                )
+                for k, v in patch_rows.items()
+            },
             view_sites={k for c in self.consumers for k in self._consumer_sites(c)},
         )
 

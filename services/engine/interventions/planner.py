@@ -3,7 +3,8 @@
 The planner (in `manager.py`) turns the scheduler's output into per-token index tensors;
 the model calls `StepInterventions.apply(layer, site, h)` at every site, which — in the
 order the design fixes — captures the pristine residual, evaluates read-out probes on
-it, then runs the fused steer/monitor/gate op where anything is installed.
+it, patches the rows a patch lands on, then runs the fused steer/monitor/gate op where
+anything is installed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from services.engine.interventions.resolve import ProbeRead, SiteKey
 from services.engine.interventions.tables import SteeringTables
+from services.engine.kernels.patch import patch
 from services.engine.kernels.steer import steer
 
 
@@ -30,6 +32,10 @@ class StepInterventions:
         default_factory=dict
     )  # rows [n], probes [n, H]
     readout_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = field(default_factory=dict)
+    # rows [P], targets [P, H], alpha [P] of the patches that land in this step
+    patch_index: dict[SiteKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
     view_sites: set[SiteKey] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -39,7 +45,11 @@ class StepInterventions:
         self.view: dict[SiteKey, torch.Tensor] = {}
 
     def apply(self, layer: int, site: str, h: torch.Tensor) -> torch.Tensor:
-        """capture → read-outs → steer (monitor and gates inside) at one site; [T, H]."""
+        """capture → read-outs and monitor → patch → steer at one site; [T, H].
+
+        Probes (read-outs, the monitor, gates) read the pristine `h`; steering adds onto the
+        patched residual.
+        """
         key = (layer, site)
         idx = self.capture_index.get(key)
         if idx is not None:
@@ -50,14 +60,18 @@ class StepInterventions:
         if read is not None:
             rows, probes = read
             self.scores[key] = (h.index_select(0, rows).float() * probes).sum(-1)
+        patched = None
+        if key in self.patch_index:
+            patched = patch(h, *self.patch_index[key])
         if key in self.kernel_sites:
-            h = steer(
+            return steer(
                 h,
                 self.rows,
                 self.decode,
                 dyn_gain=self.dyn_gain,
                 latched=self.latched,
                 fired=self.fired,
+                base=patched,
                 **self.tables.site_args(layer, site),
             )
-        return h
+        return h if patched is None else patched

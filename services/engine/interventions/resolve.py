@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -18,6 +18,7 @@ from services.common.wire import decode_vector
 from services.engine.interventions.sites import SITES, site_key
 from services.engine.interventions.spec import (
     CaptureSpec,
+    PatchEntry,
     ProbeCondition,
     Readout,
     SteeringSpec,
@@ -111,6 +112,26 @@ class ResolvedCapture:
         if isinstance(self.positions, frozenset):
             return any(p < num_prompt_tokens - 1 for p in self.positions)
         return False
+
+
+@dataclass(frozen=True)
+class ResolvedPatches:
+    """A request's patches: per (layer, site), `(position, target [H], alpha)` entries."""
+
+    by_site: dict[SiteKey, list[tuple[int, torch.Tensor, float]]]
+    first_position: int  # the request re-forwards from here; blocks from here carry `digest`
+    digest: bytes
+
+
+class PatchSources(Protocol):
+    """What resolves `{"run": ..., "position": ...}` sources: a patch-source store or client."""
+
+    def get_rows(self, run_id: str, keys: list[tuple[int, str, int]]) -> torch.Tensor: ...
+
+
+def _run_position(entry: PatchEntry) -> int:
+    assert entry.source.position is not None  # PatchSource requires it with `run`
+    return entry.source.position
 
 
 def digest(*parts: Any) -> bytes:
@@ -283,6 +304,56 @@ class Resolver:
                 f"readouts: names must be unique, {sorted(dup)} repeat (set `name`)"
             )
         return reads
+
+    def patches(
+        self, entries: list[PatchEntry], num_prompt_tokens: int, sources: PatchSources | None
+    ) -> ResolvedPatches:
+        """Targets for every patch entry (run rows fetched now, one call per run)."""
+        seen: set[tuple[int, str, int]] = set()
+        targets: dict[int, torch.Tensor] = {}
+        from_runs: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            what = f"patch[{i}]"
+            key = (self.check_layer(e.layer, what), e.site, e.position)
+            if key in seen:
+                raise InvalidRequestError(
+                    f"{what}: layer {e.layer} {e.site} position {e.position} is patched twice"
+                )
+            seen.add(key)
+            if e.position >= num_prompt_tokens:
+                raise InvalidRequestError(
+                    f"{what}: position {e.position} is not in the prompt "
+                    f"({num_prompt_tokens} tokens); patches target prompt positions"
+                )
+            if e.alpha != e.alpha or abs(e.alpha) == float("inf"):
+                raise InvalidRequestError(f"{what}: alpha must be finite")
+            src = e.source
+            if src.zeros:
+                targets[i] = torch.zeros(self.hidden_size)
+            elif src.vector is not None:
+                targets[i] = self.probe(src.vector, e.layer, f"{what}.source.vector")
+            else:
+                assert src.run is not None
+                from_runs.setdefault(src.run, []).append(i)
+        for run, idx in from_runs.items():
+            if sources is None:
+                raise InvalidRequestError(
+                    f"patch source run {run!r} needs a patch-source store, and this engine has "
+                    "none attached"
+                )
+            keys = [(entries[i].layer, entries[i].site, _run_position(entries[i])) for i in idx]
+            rows = sources.get_rows(run, keys)  # raises RunNotFoundError / InvalidRequestError
+            for i, row in zip(idx, rows, strict=True):
+                targets[i] = self._check_hidden(row.float(), f"patch[{i}].source")
+        by_site: dict[SiteKey, list[tuple[int, torch.Tensor, float]]] = {}
+        parts: list[Any] = []
+        for i, e in sorted(
+            enumerate(entries), key=lambda ie: (ie[1].layer, ie[1].site, ie[1].position)
+        ):
+            by_site.setdefault((e.layer, e.site), []).append((e.position, targets[i], e.alpha))
+            parts += [e.layer, e.site, e.position, e.alpha, targets[i]]
+        first = min(e.position for e in entries)
+        return ResolvedPatches(by_site, first, digest("patch", *parts))
 
     def capture(self, spec: CaptureSpec) -> ResolvedCapture:
         keys: list[SiteKey] = []

@@ -138,6 +138,36 @@ class CaptureSpec(_Strict):
         return self
 
 
+class PatchSource(_Strict):
+    """Where a patch's activation comes from: a stored run's row, a vector, or zeros."""
+
+    run: str | None = None
+    position: Annotated[int, Field(ge=0)] | None = None  # the run's position (with `run`)
+    vector: VectorValue | None = None
+    zeros: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PatchSource:
+        given = [self.run is not None, self.vector is not None, bool(self.zeros)]
+        if sum(given) != 1:
+            raise ValueError("a patch source needs exactly one of run, vector or zeros: true")
+        if self.run is not None and self.position is None:
+            raise ValueError("a run source needs the run's `position`")
+        if self.run is None and self.position is not None:
+            raise ValueError("`position` only goes with a run source")
+        return self
+
+
+class PatchEntry(_Strict):
+    """Set the residual at (layer, site, position) to `(1 − α)·h + α·source` (α = 1: replace)."""
+
+    layer: Annotated[int, Field(ge=0)]
+    site: Site = "post_block"
+    position: Annotated[int, Field(ge=0)]
+    alpha: float = 1.0
+    source: PatchSource
+
+
 def _parse(model: type[BaseModel], value: Any, what: str) -> Any:
     if value is None or isinstance(value, model):
         return value
@@ -165,3 +195,13 @@ def parse_readouts(value: Any) -> list[Readout]:
     if not isinstance(value, list | tuple):
         raise InvalidRequestError("invalid readouts: expected a list of {probe, site, layer}")
     return [_parse(Readout, v, f"readouts[{i}]") for i, v in enumerate(value)]
+
+
+def parse_patch(value: Any) -> list[PatchEntry]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise InvalidRequestError(
+            "invalid patch: expected a list of {layer, site, position, alpha, source}"
+        )
+    return [_parse(PatchEntry, v, f"patch[{i}]") for i, v in enumerate(value)]

@@ -43,8 +43,13 @@ def steer_reference(
     gate_params: torch.Tensor,  # [R, 7] float32
     latched: torch.Tensor,  # [T] int32 latched-gate bitmask of each token's request
     fired: torch.Tensor,  # [T] int32 fired-gate bitmask, OR-ed in place
+    base: torch.Tensor | None = None,  # [T, H] what the terms are added to (default: h)
 ) -> torch.Tensor:
-    """The steered residual `[T, H]` in h's dtype (computed in float32); ORs into `fired`."""
+    """The steered residual `[T, H]` in h's dtype (computed in float32); ORs into `fired`.
+
+    Probes read `h`; the terms are added to `base`, which differs from `h` only where a
+    patch replaced rows after the monitor read them (capture → monitor → patch → steer).
+    """
     x = h.float()
     r = rows.long()
     is_decode = decode != 0
@@ -72,7 +77,7 @@ def steer_reference(
     scale = row_scale.float()
     row_coef = scale[r] * torch.where(gate_rows != 0, gm_d, one)
     out = (
-        x
+        (x if base is None else base.float())
         + scale[rg, None] * vec.float()[rg]
         + row_coef[:, None] * vec.float()[r]
         + (dyn_gain.float() * gm_d)[:, None] * dyn_vec.float()
@@ -100,7 +105,9 @@ if triton is not None:
         gate_params_ptr,
         latched_ptr,
         fired_ptr,
+        base_ptr,
         stride_h,
+        stride_base,
         stride_out,
         H: tl.constexpr,  # fixed per model, so specializing on it costs one compile
         BLOCK_H: tl.constexpr,
@@ -160,7 +167,7 @@ if triton is not None:
         for start in range(0, H, BLOCK_H):
             c = start + cols
             m = c < H
-            x = tl.load(h_ptr + t * stride_h + c, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(base_ptr + t * stride_base + c, mask=m, other=0.0).to(tl.float32)
             v_global = tl.load(vec_ptr + rg * H + c, mask=m, other=0.0).to(tl.float32)
             v_row = tl.load(vec_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
             v_dyn = tl.load(dyn_vec_ptr + c, mask=m, other=0.0).to(tl.float32)
@@ -184,11 +191,14 @@ def steer_triton(
     gate_params: torch.Tensor,
     latched: torch.Tensor,
     fired: torch.Tensor,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`steer_reference` as one fused Triton launch over the flattened batch."""
     T, H = h.shape
     if T == 0:
         return h.clone()
+    base = h if base is None else base
+    assert base.shape == h.shape and base.stride(1) == 1
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
     # The kernel indexes every operand but h with its packed strides.
     packed = [rows, decode, vec, row_scale, dyn_vec, dyn_gain, mon_probe, mon_params]
@@ -211,7 +221,9 @@ def steer_triton(
         gate_params,
         latched,
         fired,
+        base,
         h.stride(0),
+        base.stride(0),
         out.stride(0),
         H=H,
         BLOCK_H=block_h,
@@ -235,6 +247,7 @@ def steer(
     gate_params: torch.Tensor,
     latched: torch.Tensor,
     fired: torch.Tensor,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The steered residual: Triton on CUDA or under TRITON_INTERPRET=1, else the reference."""
     fn = steer_triton if triton is not None and (h.is_cuda or INTERPRET) else steer_reference
@@ -253,4 +266,5 @@ def steer(
         gate_params,
         latched,
         fired,
+        base,
     )

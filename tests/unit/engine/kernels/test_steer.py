@@ -124,6 +124,25 @@ def test_triton_under_interpreter():
 
 
 @interpreted_only
+def test_triton_matches_reference_with_a_patched_base():
+    case = random_case(12, 40, seed=3)
+    case["base"] = case["h"].clone()
+    case["base"][::3] = torch.randn(4, 40)
+    want, want_fired = run(steer_reference, case)
+    got, got_fired = run(steer_triton, case)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_fired, want_fired)
+
+
+def test_probes_read_h_and_terms_add_to_base():
+    case = random_case(6, 16, seed=4)
+    shift = torch.randn(6, 16)
+    plain, _ = run(steer_reference, case)
+    shifted, _ = run(steer_reference, {**case, "base": case["h"] + shift})
+    torch.testing.assert_close(shifted, plain + shift, atol=1e-5, rtol=1e-5)
+
+
+@interpreted_only
 @pytest.mark.parametrize("T,H", [(24, 48), (24, 100), (16, 1500)])  # 1500: two H tiles
 def test_triton_matches_reference(T, H):
     case = random_case(T, H)

@@ -1,0 +1,538 @@
+"""The patch-source store: captured activations ("runs") held in memory for activation patching.
+
+A run maps (layer, site, position) to a row `[H]`. Per (layer, site) it keeps one
+`[num_positions, H]` CPU tensor in the dtype it was given, plus the run's positions list.
+Runs live under a byte budget with whole-run LRU eviction; a lease (a TTL hold per holder)
+protects a run from eviction, and when only leased runs are left the store keeps them over
+budget (a soft exceed, counted and logged) rather than un-patch an admitted request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import threading
+import time
+from collections import Counter as Tally
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.common.errors import (
+    InvalidRequestError,
+    RunExistsError,
+    RunNotFoundError,
+    TooLargeError,
+)
+from services.common.wire import DTYPES
+
+log = logging.getLogger(__name__)
+
+LayerSite = tuple[int, str]
+RowKey = tuple[int, str, int]  # (layer, site, position)
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_GONE_REMEMBERED = 4096  # gone run ids whose reason a not-found message can still name
+
+# Counters kept by every store: name -> help. Each is in stats() and, as
+# `coxswain_patch_store_<name>_total`, in the store's prometheus registry.
+_COUNTERS = {
+    "puts": "runs stored (overwrites included)",
+    "gets": "get_rows calls",
+    "hits": "get_rows calls that found every row asked for",
+    "misses": "get_rows calls that failed: unknown run or missing rows",
+    "rows_served": "rows returned by get_rows",
+    "evictions": "runs evicted, least recently used first, to stay under the byte budget",
+    "evicted_bytes": "bytes freed by evictions",
+    "drops": "runs dropped by their owner",
+    "invalidations": "invalidate_all calls (weights changed)",
+    "invalidated_runs": "runs dropped by invalidate_all",
+    "budget_exceeded_events": "times the store went over budget with only leased runs to evict",
+    "leases_granted": "leases taken",
+    "leases_refreshed": "leases renewed by their holder",
+    "leases_released": "leases released by their holder",
+    "leases_expired": "leases that ran out",
+}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a run holds, without its tensors. `leased_until` is the latest unexpired lease
+    expiry in the store's clock (a `PatchStoreClient` gives it in the caller's
+    `time.monotonic()`), None when no lease is held."""
+
+    run_id: str
+    model: str
+    hidden_size: int
+    dtype: str
+    keys: tuple[LayerSite, ...]  # the (layer, site) pairs held, sorted
+    positions: tuple[int, ...]  # row order of every (layer, site) tensor
+    token_ids: tuple[int, ...]  # empty when none were given
+    created_at: float  # unix seconds
+    bytes: int
+    leased_until: float | None
+    holders: tuple[str, ...]  # holders of unexpired leases, sorted
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted({layer for layer, _ in self.keys}))
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return tuple(sorted({site for _, site in self.keys}))
+
+
+@dataclass
+class _Run:
+    run_id: str
+    model: str
+    hidden_size: int
+    dtype: torch.dtype
+    blocks: dict[LayerSite, torch.Tensor]  # each [num_positions, H], CPU, contiguous
+    positions: tuple[int, ...]
+    row_of: dict[int, int]  # position -> row index in every block
+    token_ids: tuple[int, ...]
+    created_at: float
+    bytes: int
+    leases: dict[str, float]  # holder -> expiry (store clock)
+
+
+def check_run(
+    run_id: object,
+    rows: object,
+    positions: object,
+    token_ids: object = None,
+) -> tuple[int, torch.dtype]:
+    """`(hidden_size, dtype)` of a run about to be stored; InvalidRequestError naming the first
+    problem otherwise. The store and its client both call this before anything is stored."""
+    if not isinstance(run_id, str) or not run_id:
+        raise InvalidRequestError(f"run id must be a non-empty string, got {run_id!r}")
+    if not isinstance(positions, Sequence) or isinstance(positions, str) or not positions:
+        raise InvalidRequestError(f"run {run_id!r}: positions must be a non-empty list of ints")
+    for p in positions:
+        if not _is_int(p) or p < 0:
+            raise InvalidRequestError(
+                f"run {run_id!r}: positions must be non-negative ints, got {p!r}"
+            )
+    if len(set(positions)) != len(positions):
+        repeated = [p for p, n in Tally(positions).items() if n > 1]
+        raise InvalidRequestError(f"run {run_id!r}: positions repeat: {_summary(repeated)}")
+    if token_ids is not None:
+        if not isinstance(token_ids, Sequence) or not all(_is_int(t) and t >= 0 for t in token_ids):
+            raise InvalidRequestError(
+                f"run {run_id!r}: token_ids must be a list of non-negative ints"
+            )
+        if token_ids and max(positions) >= len(token_ids):
+            raise InvalidRequestError(
+                f"run {run_id!r}: position {max(positions)} is past its {len(token_ids)} token ids"
+            )
+    if not isinstance(rows, Mapping) or not rows:
+        raise InvalidRequestError(
+            f"run {run_id!r}: rows must be a non-empty dict {{(layer, site): tensor [P, H]}}"
+        )
+    hidden = dtype = None
+    for key, t in rows.items():
+        if not (
+            isinstance(key, tuple)
+            and len(key) == 2
+            and _is_int(key[0])
+            and key[0] >= 0
+            and isinstance(key[1], str)
+            and key[1]
+        ):
+            raise InvalidRequestError(
+                f"run {run_id!r}: row keys must be (layer >= 0, site name) pairs, got {key!r}"
+            )
+        where = f"run {run_id!r} (layer {key[0]}, site {key[1]!r})"
+        if not isinstance(t, torch.Tensor):
+            raise InvalidRequestError(f"{where}: rows must be a tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPE_NAMES:
+            raise InvalidRequestError(
+                f"{where}: dtype {t.dtype} is not storable; use one of {', '.join(DTYPES)}"
+            )
+        if t.dim() != 2 or t.shape[0] != len(positions) or t.shape[1] == 0:
+            raise InvalidRequestError(
+                f"{where}: rows must be [num_positions={len(positions)}, H], got {list(t.shape)}"
+            )
+        if hidden is None:
+            hidden, dtype = int(t.shape[1]), t.dtype
+        elif t.shape[1] != hidden or t.dtype != dtype:
+            raise InvalidRequestError(
+                f"{where}: every (layer, site) of a run must share one hidden size and dtype; "
+                f"got [{t.shape[1]}] {t.dtype} after [{hidden}] {dtype}"
+            )
+    assert hidden is not None and dtype is not None
+    return hidden, dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a storable dtype (`float32`, `bfloat16`, ...)."""
+    return _DTYPE_NAMES[dtype]
+
+
+class PatchStore:
+    """An in-process, thread-safe store of runs under a byte budget, with leases.
+
+    `clock` times leases (inject one to expire them in tests); `registry` receives the
+    store's prometheus metrics (a fresh one per store when not given)."""
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if not _is_int(budget_bytes) or budget_bytes <= 0:
+            raise InvalidRequestError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        self.budget_bytes = int(budget_bytes)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently used first
+        self._gone: OrderedDict[str, str] = OrderedDict()  # run id -> why it is gone
+        self._bytes = 0
+        self._over_budget = False
+        self._n = dict.fromkeys(_COUNTERS, 0)
+        self._counters = {
+            name: Counter(f"coxswain_patch_store_{name}", doc, registry=self.registry)
+            for name, doc in _COUNTERS.items()
+        }
+        gauges: dict[str, tuple[str, Callable[[], float]]] = {
+            "runs": ("runs held", lambda: len(self._runs)),
+            "bytes": ("bytes held", lambda: self._bytes),
+            "budget_bytes": ("the byte budget", lambda: self.budget_bytes),
+            "bytes_over_budget": (
+                "bytes held over budget (leased runs kept)",
+                lambda: max(0, self._bytes - self.budget_bytes),
+            ),
+            "leased_runs": ("runs with an unexpired lease", self._count_leased_runs),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(f"coxswain_patch_store_{name}", doc, registry=self.registry).set_function(fn)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put_run(
+        self,
+        run_id: str,
+        rows: Mapping[LayerSite, torch.Tensor],
+        positions: Sequence[int],
+        *,
+        model: str = "",
+        token_ids: Sequence[int] | None = None,
+        overwrite: bool = False,
+        copy: bool = True,
+    ) -> Manifest:
+        """Store a run: `rows[(layer, site)]` is `[len(positions), H]`, row i at positions[i].
+        `copy=False` hands the (CPU, contiguous) tensors over instead of copying them."""
+        hidden, dtype = check_run(run_id, rows, positions, token_ids)
+        if not isinstance(model, str):
+            raise InvalidRequestError(f"run {run_id!r}: model must be a string, got {model!r}")
+        blocks = {
+            (int(layer), site): t.detach().to(
+                device="cpu", memory_format=torch.contiguous_format, copy=copy
+            )
+            for (layer, site), t in rows.items()
+        }
+        size = sum(t.numel() * t.element_size() for t in blocks.values())
+        if size > self.budget_bytes:
+            raise TooLargeError(
+                f"run {run_id!r} holds {size} bytes, more than the patch store's whole budget "
+                f"of {self.budget_bytes} bytes"
+            )
+        positions = tuple(int(p) for p in positions)
+        with self._lock:
+            now = self.clock()
+            old = self._runs.get(run_id)
+            if old is not None and not overwrite:
+                raise RunExistsError(
+                    f"run {run_id!r} is already stored; pass overwrite=True to replace it"
+                )
+            leases: dict[str, float] = {}
+            if old is not None:  # holders keep their leases on the new contents
+                self._prune_leases_locked(old, now)
+                leases = old.leases
+                self._remove_locked(old, None)
+            run = _Run(
+                run_id=run_id,
+                model=model,
+                hidden_size=hidden,
+                dtype=dtype,
+                blocks=blocks,
+                positions=positions,
+                row_of={p: i for i, p in enumerate(positions)},
+                token_ids=tuple(int(t) for t in token_ids or ()),
+                created_at=time.time(),
+                bytes=size,
+                leases=leases,
+            )
+            self._runs[run_id] = run
+            self._bytes += size
+            self._gone.pop(run_id, None)
+            self._count("puts")
+            self._enforce_budget_locked(now, keep=run_id)
+            return self._manifest_locked(run, now)
+
+    def lease(self, run_id: str, ttl_s: float, holder: str) -> float:
+        """Hold `run_id` against eviction for `ttl_s` seconds; the expiry in the store's clock.
+        A holder leasing again refreshes its lease to now + ttl_s."""
+        if not _is_number(ttl_s) or not math.isfinite(ttl_s) or ttl_s <= 0:
+            raise InvalidRequestError(f"lease ttl_s must be a positive number, got {ttl_s!r}")
+        if not isinstance(holder, str) or not holder:
+            raise InvalidRequestError(f"lease holder must be a non-empty string, got {holder!r}")
+        with self._lock:
+            now = self.clock()
+            run = self._get_locked(run_id)
+            self._prune_leases_locked(run, now)
+            self._count("leases_refreshed" if holder in run.leases else "leases_granted")
+            run.leases[holder] = expiry = now + float(ttl_s)
+            self._runs.move_to_end(run_id)
+            self._enforce_budget_locked(now, keep=run_id)
+            return expiry
+
+    def release(self, run_id: str, holder: str) -> bool:
+        """Give up `holder`'s lease on `run_id`. False when it held none (never, expired, or the
+        run is gone): releasing is idempotent cleanup."""
+        with self._lock:
+            now = self.clock()
+            run = self._runs.get(run_id)
+            released = False
+            if run is not None:
+                self._prune_leases_locked(run, now)
+                released = run.leases.pop(holder, None) is not None
+                if released:
+                    self._count("leases_released")
+            self._enforce_budget_locked(now)
+            return released
+
+    def drop_run(self, run_id: str) -> int:
+        """Remove a run now, leased or not (the owner's action); the bytes freed."""
+        with self._lock:
+            run = self._get_locked(run_id)
+            self._remove_locked(run, "dropped by its owner")
+            self._count("drops")
+            return run.bytes
+
+    def invalidate_all(self, reason: str = "") -> int:
+        """Drop every run, leased or not (the weights changed); how many runs were dropped."""
+        why = f"invalidated ({reason})" if reason else "invalidated (weights changed)"
+        with self._lock:
+            runs = list(self._runs.values())
+            for run in runs:
+                self._remove_locked(run, why)
+            self._count("invalidations")
+            self._count("invalidated_runs", len(runs))
+            self._over_budget = False
+        log.info("patch store invalidated %d runs: %s", len(runs), why)
+        return len(runs)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def get_rows(self, run_id: str, keys: Sequence[RowKey]) -> torch.Tensor:
+        """The rows at `keys` (each `(layer, site, position)`) as `[len(keys), H]` in the run's
+        dtype. Every key must be held: a missing one is an error, never a zero row."""
+        with self._lock:
+            now = self.clock()
+            self._count("gets")
+            try:
+                run = self._get_locked(run_id)
+                groups = _group_rows(run, keys)
+            except (RunNotFoundError, InvalidRequestError):
+                self._count("misses")
+                raise
+            self._runs.move_to_end(run_id)
+            self._enforce_budget_locked(now, keep=run_id)
+            self._count("hits")
+            self._count("rows_served", len(keys))
+        # Stored tensors are never written after put, so the gather needs no lock.
+        out = torch.empty(len(keys), run.hidden_size, dtype=run.dtype)  # [K, H]
+        for block, (out_idx, row_idx) in groups.items():
+            out.index_copy_(
+                0, torch.tensor(out_idx), run.blocks[block].index_select(0, torch.tensor(row_idx))
+            )
+        return out
+
+    def manifests(self, run_ids: Iterable[str] | None = None) -> list[Manifest]:
+        """Metadata of the runs named (all runs, least recently used first, when None)."""
+        with self._lock:
+            now = self.clock()
+            self._enforce_budget_locked(now)
+            if run_ids is None:
+                runs = list(self._runs.values())
+            elif isinstance(run_ids, str):
+                raise InvalidRequestError("run_ids must be a list of run ids, not one string")
+            else:
+                runs = [self._get_locked(run_id) for run_id in run_ids]
+            return [self._manifest_locked(run, now) for run in runs]
+
+    def stats(self) -> dict[str, int]:
+        """Counts and sizes: runs, bytes, budget, leases, and every counter since start."""
+        with self._lock:
+            now = self.clock()
+            for run in self._runs.values():
+                self._prune_leases_locked(run, now)
+            self._enforce_budget_locked(now)
+            leased = [run for run in self._runs.values() if run.leases]
+            return {
+                "runs": len(self._runs),
+                "bytes": self._bytes,
+                "budget_bytes": self.budget_bytes,
+                "bytes_over_budget": max(0, self._bytes - self.budget_bytes),
+                "leased_runs": len(leased),
+                "leases_active": sum(len(run.leases) for run in leased),
+                **self._n,
+            }
+
+    # -- internals (call with the lock held) -------------------------------------------------
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        self._n[name] += amount
+        if amount:
+            self._counters[name].inc(amount)
+
+    def _get_locked(self, run_id: str) -> _Run:
+        run = self._runs.get(run_id)
+        if run is None:
+            why = self._gone.get(run_id)
+            raise RunNotFoundError(
+                f"run {run_id!r} is not in the patch store: "
+                + (f"it was {why}" if why else "it was never stored (or is long gone)")
+            )
+        return run
+
+    def _remove_locked(self, run: _Run, why: str | None) -> None:
+        del self._runs[run.run_id]
+        self._bytes -= run.bytes
+        if why is not None:
+            self._gone[run.run_id] = why
+            self._gone.move_to_end(run.run_id)
+            while len(self._gone) > _GONE_REMEMBERED:
+                self._gone.popitem(last=False)
+
+    def _prune_leases_locked(self, run: _Run, now: float) -> None:
+        for holder, expiry in list(run.leases.items()):
+            if expiry <= now:
+                del run.leases[holder]
+                self._count("leases_expired")
+
+    def _enforce_budget_locked(self, now: float, keep: str | None = None) -> None:
+        """Evict unleased runs, least recently used first, until the store fits its budget;
+        `keep` (the run just stored or read) is never the one evicted."""
+        if self._bytes <= self.budget_bytes:
+            self._over_budget = False
+            return
+        for run in list(self._runs.values()):
+            if self._bytes <= self.budget_bytes:
+                break
+            self._prune_leases_locked(run, now)
+            if run.run_id == keep or run.leases:
+                continue
+            self._remove_locked(run, "evicted: least recently used, over the byte budget")
+            self._count("evictions")
+            self._count("evicted_bytes", run.bytes)
+        if self._bytes <= self.budget_bytes:
+            self._over_budget = False
+        elif not self._over_budget:  # count entering the state, not every call while in it
+            self._over_budget = True
+            self._count("budget_exceeded_events")
+            log.warning(
+                "patch store holds %d bytes, over its budget of %d: the %d runs left are "
+                "leased (or just used), so they stay until a lease ends",
+                self._bytes,
+                self.budget_bytes,
+                len(self._runs),
+            )
+
+    def _manifest_locked(self, run: _Run, now: float) -> Manifest:
+        self._prune_leases_locked(run, now)
+        return Manifest(
+            run_id=run.run_id,
+            model=run.model,
+            hidden_size=run.hidden_size,
+            dtype=dtype_name(run.dtype),
+            keys=tuple(sorted(run.blocks)),
+            positions=run.positions,
+            token_ids=run.token_ids,
+            created_at=run.created_at,
+            bytes=run.bytes,
+            leased_until=max(run.leases.values()) if run.leases else None,
+            holders=tuple(sorted(run.leases)),
+        )
+
+    def _count_leased_runs(self) -> int:
+        with self._lock:
+            now = self.clock()
+            return sum(any(e > now for e in run.leases.values()) for run in self._runs.values())
+
+
+def _group_rows(run: _Run, keys: Sequence[RowKey]) -> dict[LayerSite, tuple[list[int], list[int]]]:
+    """Per (layer, site) of `run`: (indices into the output, row indices into its tensor)."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise InvalidRequestError("keys must be a list of (layer, site, position) triples")
+    groups: dict[LayerSite, tuple[list[int], list[int]]] = {}
+    for i, key in enumerate(keys):
+        if not (
+            isinstance(key, Sequence)
+            and len(key) == 3
+            and _is_int(key[0])
+            and isinstance(key[1], str)
+            and _is_int(key[2])
+        ):
+            raise InvalidRequestError(
+                f"key {i} must be a (layer, site, position) triple, got {key!r}"
+            )
+        layer, site, position = key
+        block = (int(layer), site)
+        row = run.row_of.get(int(position))
+        if block not in run.blocks or row is None:
+            missing = (
+                f"(layer {layer}, site {site!r})"
+                if block not in run.blocks
+                else f"position {position}"
+            )
+            raise InvalidRequestError(
+                f"run {run.run_id!r} has no row for (layer {layer}, site {site!r}, position "
+                f"{position}) (key {i}): no {missing}; the run holds "
+                f"[{_describe_blocks(run.blocks)}] at positions [{_summary(run.positions)}]"
+            )
+        out_idx, row_idx = groups.setdefault(block, ([], []))
+        out_idx.append(i)
+        row_idx.append(row)
+    return groups
+
+
+def _describe_blocks(blocks: Iterable[LayerSite]) -> str:
+    """`post_block at layers 0-31; pre_attn at layers 3, 5`."""
+    by_site: dict[str, list[int]] = {}
+    for layer, site in sorted(blocks):
+        by_site.setdefault(site, []).append(layer)
+    return "; ".join(f"{site} at layers {_summary(ls)}" for site, ls in sorted(by_site.items()))
+
+
+def _summary(xs: Sequence[int], max_parts: int = 8) -> str:
+    """Sorted ints as ranges, `0-15, 20, 22-24`, cut after `max_parts` parts."""
+    parts: list[str] = []
+    values = sorted(xs)
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    if len(parts) > max_parts:
+        parts = [*parts[:max_parts], f"... ({len(values)} in all)"]
+    return ", ".join(parts)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

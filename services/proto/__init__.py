@@ -1,0 +1,1 @@
+"""Python code generated from proto/ (`make proto`); do not edit."""
