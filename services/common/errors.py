@@ -55,6 +55,12 @@ class RequestNotFoundError(NotFoundError):
     """An operation named a request id the engine does not know."""
 
 
+class ActionQueueFullError(CoxswainError):
+    """A controller action could not be queued: the engine's bounded action queue is full."""
+
+    http_status = 503
+
+
 class DuplicateRequestError(InvalidRequestError):
     """A request id is already in use by an unfinished request."""
 

@@ -16,15 +16,17 @@ from typing import Any
 import torch
 
 from services.common.errors import (
+    ActionQueueFullError,
     DuplicateRequestError,
     InvalidRequestError,
     PromptTooLongError,
     RequestNotFoundError,
 )
 from services.engine.config import EngineConfig
-from services.engine.interventions.actions import Action
+from services.engine.interventions.actions import Action, GlobalSteeringUpdate
 from services.engine.interventions.consumers import SyncConsumer
 from services.engine.interventions.manager import InterventionManager
+from services.engine.interventions.vectors import VectorRegistry
 from services.engine.kv.block_manager import BlockManager
 from services.engine.model.config import load_model_config
 from services.engine.model.tokenizer import Tokenizer
@@ -338,11 +340,15 @@ class LLMEngine:
 
     def set_global_steering(self, steering: Any) -> None:
         """Steer every request (prefill and/or decode tiers, by each vector's `phase`),
-        replacing any previous global steering. Applies from the next step."""
-        self.interventions.set_global(steering)
+        replacing any previous global steering, from the next step on. Bad input raises
+        InvalidRequestError now; a full action queue raises ActionQueueFullError."""
+        self.interventions.check_global(steering)
+        if not self.interventions.submit(GlobalSteeringUpdate(steering), "api"):
+            raise ActionQueueFullError("the action queue is full: global steering not queued")
 
     def clear_global_steering(self) -> None:
-        self.interventions.clear_global()
+        """Remove engine-wide steering from the next step on."""
+        self.set_global_steering(None)
 
     def submit_action(self, action: Action, source: str = "api") -> bool:
         """Queue a controller action for the top of the next step (False: queue full)."""
@@ -353,7 +359,7 @@ class LLMEngine:
         self.interventions.add_consumer(consumer)
 
     @property
-    def vectors(self):
+    def vectors(self) -> VectorRegistry:
         """The engine's named vector registry (register / list / unregister / import_file)."""
         return self.interventions.registry
 

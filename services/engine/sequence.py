@@ -54,6 +54,7 @@ class Sequence:
         self.generator: torch.Generator | None = None  # set by the engine for seeded requests
         # The steering signature each computed position's KV was made under (b"": none).
         self.position_sigs: list[bytes] = []
+        self.latched = 0  # bits of this sample's `rest_of_request` gates that have fired
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +77,12 @@ class Sequence:
         if position < len(self.position_sigs):
             return self.position_sigs[position]
         g = self.group
-        sig = g.prefill_sig if position < self.num_prompt_tokens else g.decode_sig
+        if position < self.num_prompt_tokens:
+            sig = g.prefill_sig
+        else:
+            sig = g.decode_sig
+            if self.latched:  # latched gates steer this sample's later tokens
+                sig += b"latched" + self.latched.to_bytes(4, "little")
         if g.patch_from is not None and position >= g.patch_from:
             sig += g.patch_sig  # a patch changes every position from its first one on
         return sig

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.errors import InvalidRequestError
 from services.engine import SamplingParams
 from services.engine.interventions.actions import (
     RequestSteeringOverride,
@@ -304,3 +305,95 @@ def test_consumer_view_holds_pristine_activations_and_spans(path):
     assert consumer.views[1].requests[0].phase == "decode"
     rows = torch.cat([v.activations[(1, "post_block")] for v in consumer.views])
     torch.testing.assert_close(rows, out.captures["1.post_block"])
+
+
+def test_unsafe_actions_are_rejected_whole_and_never_reach_the_tables(path):
+    """Non-finite values, a half-valid layer list, a malformed field: rejected, nothing changed."""
+    engine = _engine(path)
+    for action in (
+        SteeringVectorUpdate("post_block", [0], [1.0] * H, scale=float("nan")),
+        SteeringVectorUpdate("post_block", [0, 99], [1.0] * H),
+        SteeringMonitorUpdate("post_block", 0, [1.0] * H, threshold=float("nan")),
+        SteeringMonitorUpdate("post_block", "1", None),  # a str layer: TypeError inside
+        SteeringScaleUpdate(1.0, tier="bogus"),
+    ):
+        engine.submit_action(action, "bad")
+    with pytest.raises(InvalidRequestError, match="not a steering action"):
+        engine.submit_action("scale everything", "bad")
+    out = _run(engine, {"x": (_prompt(2), _params())})["x"]
+    snap = engine.steering_snapshot()
+    assert snap["queue"]["rejected"] == {"bad": 5}
+    assert snap["dynamic"]["sites"] == [] and snap["monitors"] == {} and snap["active_sites"] == []
+    plain = _run(_engine(path), {"x": (_prompt(2), _params())})["x"]
+    assert _step_logprobs(out) == _step_logprobs(plain)
+
+
+def test_requests_that_could_never_be_served_as_asked_are_refused(path):
+    v, w = _vec(60, H), _vec(61, H)
+    two_rows = {
+        "vectors": [
+            {"layers": [0], "vector": v.tolist(), "phase": "prefill"},
+            {"layers": [0], "vector": w.tolist(), "phase": "decode"},
+        ]
+    }
+    engine = _engine(path, steering_request_rows=1)
+    with pytest.raises(InvalidRequestError, match="per-request pool"):
+        engine.add_request("a", _prompt(3), _params(steering=two_rows))
+    capture = {"sites": {"post_block": [0]}, "positions": "all"}
+    with pytest.raises(InvalidRequestError, match="n=1"):
+        engine.add_request("b", _prompt(3), SamplingParams(n=2, capture=capture))
+    far = {"sites": {"post_block": [0]}, "positions": [0, 500]}
+    with pytest.raises(InvalidRequestError, match="never computed"):
+        engine.add_request("c", _prompt(3), SamplingParams(max_tokens=4, capture=far))
+    assert not engine.has_unfinished_requests()
+
+
+def test_overrides_and_scales_that_would_do_nothing_are_rejected(path):
+    gate_only = {
+        "gates": [
+            {"when": {"probe": [1.0] * H, "layer": 0}, "apply": {"add": {"vector": [1.0] * H}}}
+        ]
+    }
+    engine = _engine(path)
+    engine.add_request("g", _prompt(4), _params(steering=gate_only))
+    engine.add_request("p", _prompt(5), _params())
+    engine.submit_action(SteeringScaleUpdate(0.0, request_id="g"), "c")
+    prefill_only = {"vectors": [{"layers": [0], "vector": [1.0] * H, "phase": "prefill"}]}
+    engine.submit_action(RequestSteeringOverride("p", prefill_only), "c")
+    _run(engine, {})
+    snap = engine.steering_snapshot()["queue"]
+    assert snap["rejected"] == {"c": 2}
+    assert "decode tokens only" in snap["last_rejection"]["c"]
+
+
+def test_latches_belong_to_each_sample(path):
+    """With n=2, a gate that latches in one sample leaves the other sample's tokens alone."""
+    prompt, probe, v = _prompt(62), _vec(62, H, norm=1.0), _vec(63, H, norm=8.0)
+    read = [{"probe": probe.tolist(), "layer": 1, "site": "post_attn", "name": "p"}]
+    sampled = dict(n=2, seed=7, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    base = _run(_engine(path), {"r": (prompt, SamplingParams(**sampled, readouts=read))})["r"]
+    scores = [[d["p"] for d in o.readouts] for o in base.outputs]
+    # fire in exactly one sample: a threshold between the two samples' maxima
+    hi, lo = (
+        max(range(2), key=lambda i: max(scores[i][1:])),
+        min(range(2), key=lambda i: max(scores[i][1:])),
+    )
+    threshold = (max(scores[hi][1:]) + max(scores[lo][1:])) / 2
+    gate = {
+        "when": {
+            "probe": probe.tolist(),
+            "layer": 1,
+            "site": "post_attn",
+            "threshold": threshold,
+            "sharpness": 1e6,
+        },
+        "scope": "rest_of_request",
+        "apply": {"add": {"vector": v.tolist()}},
+    }
+    out = _run(
+        _engine(path),
+        {"g": (prompt, SamplingParams(**sampled, readouts=read, steering={"gates": [gate]}))},
+    )["g"]
+    assert out.outputs[lo].token_ids == base.outputs[lo].token_ids
+    _assert_close(out.outputs[lo].logprobs, base.outputs[lo].logprobs)
+    assert out.outputs[hi].logprobs != base.outputs[hi].logprobs

@@ -64,8 +64,26 @@ class SteeringMonitorUpdate:
     gate_rows: bool = False
 
 
+@dataclass(frozen=True)
+class GlobalSteeringUpdate:
+    """Replace the engine-wide steering with `steering` (vectors only; None clears it)."""
+
+    steering: Any | None
+
+
 Action = (
-    SteeringVectorUpdate | RequestSteeringOverride | SteeringScaleUpdate | SteeringMonitorUpdate
+    SteeringVectorUpdate
+    | RequestSteeringOverride
+    | SteeringScaleUpdate
+    | SteeringMonitorUpdate
+    | GlobalSteeringUpdate
+)
+ACTION_TYPES = (
+    SteeringVectorUpdate,
+    RequestSteeringOverride,
+    SteeringScaleUpdate,
+    SteeringMonitorUpdate,
+    GlobalSteeringUpdate,
 )
 
 
@@ -90,6 +108,15 @@ class ActionQueue:
             self._items.append((source, action))
             self.enqueued[source] += 1
             return True
+
+    def counters(self) -> dict:
+        with self._lock:
+            return {
+                "capacity": self.capacity,
+                "depth": len(self._items),
+                "enqueued": dict(self.enqueued),
+                "dropped": dict(self.dropped),
+            }
 
     def drain(self) -> list[tuple[str, Action]]:
         with self._lock:

@@ -27,8 +27,10 @@ import torch
 
 from services.common.errors import InvalidRequestError, NotFoundError, RequestNotFoundError
 from services.engine.interventions.actions import (
+    ACTION_TYPES,
     Action,
     ActionQueue,
+    GlobalSteeringUpdate,
     RequestSteeringOverride,
     SteeringMonitorUpdate,
     SteeringScaleUpdate,
@@ -75,6 +77,11 @@ from services.engine.sequence import RequestGroup, Sequence
 log = logging.getLogger(__name__)
 
 
+def _finite(value: float, what: str) -> None:
+    if not isinstance(value, int | float) or value != value or abs(value) == float("inf"):
+        raise InvalidRequestError(f"{what} must be a finite number, got {value!r}")
+
+
 @dataclass
 class RequestInterventions:
     """One request's resolved interventions and the table rows it holds."""
@@ -89,10 +96,10 @@ class RequestInterventions:
     override_row: int | None = None  # its row, in the dynamic pool (also a private copy)
     has_rows: bool = False
     dyn_gain: float = 1.0
-    latched: int = 0  # gate bits latched on (rest_of_request gates that fired)
 
     @property
     def decode_content(self) -> RowContent:
+        """What the request's decode tokens get now: an override's content, or its own."""
         if self.override is not None:
             return self.override
         return self.steering.decode if self.steering else RowContent()
@@ -124,6 +131,9 @@ class _Counters:
 
 
 class InterventionManager:
+    """Everything the engine knows about interventions; driven from the step thread only
+    (`submit` is the one method safe to call from other threads)."""
+
     def __init__(
         self,
         num_layers: int,
@@ -181,6 +191,7 @@ class InterventionManager:
                 readouts=self.resolver.readouts(readouts),
                 patches=self.resolver.patches(patch, P, self.patch_sources) if patch else None,
             )
+            self._check_servable(group, iv)
             if iv.capture and iv.capture.needs_full_prompt(P):
                 group.skip_prefix_cache = True
             if iv.patches is not None:
@@ -189,6 +200,29 @@ class InterventionManager:
                 iv.patches = self._on_device(iv.patches)
         group.interventions = iv
         self._refresh_sigs(group)
+
+    def _check_servable(self, group: RequestGroup, iv: RequestInterventions) -> None:
+        """Reject what could never run or never be delivered, rather than skip it silently."""
+        if iv.steering is not None:
+            contents = {c.digest for c in (iv.steering.prefill, iv.steering.decode) if c.digest}
+            if len(contents) > self.tables.request_pool.size:
+                raise InvalidRequestError(
+                    f"this steering needs {len(contents)} table rows but the per-request pool "
+                    f"has {self.tables.request_pool.size} (EngineConfig.steering_request_rows)"
+                )
+        if iv.capture is not None:
+            if group.params.n > 1:
+                raise InvalidRequestError("capture is supported for n=1 requests only")
+            positions = iv.capture.positions
+            max_tokens = group.params.max_tokens
+            if isinstance(positions, frozenset) and max_tokens is not None:
+                last = len(group.prompt_token_ids) + max_tokens - 2  # the last fed position
+                beyond = sorted(p for p in positions if p > last)
+                if beyond:
+                    raise InvalidRequestError(
+                        f"capture positions {beyond[:5]} are never computed: the last position "
+                        f"fed through the model is {last} (prompt + max_tokens − 2)"
+                    )
 
     def _on_device(self, patches: ResolvedPatches) -> ResolvedPatches:
         dev, dtype = self.device, self.tables.dtype
@@ -214,6 +248,7 @@ class InterventionManager:
         rows = [self._acquire_shared(c) for c in contents]
         iv.prefill_row, iv.decode_row = rows
         iv.has_rows = True
+        self._refresh_sigs(seq.group)
         return True
 
     def _acquire_shared(self, content: RowContent) -> int:
@@ -244,13 +279,15 @@ class InterventionManager:
                 if row != ZERO_ROW and self.tables.request_pool.release(row):
                     self.tables.clear_row(row, content)
             iv.has_rows = False
-        self._drop_override(iv)
+        self._drop_override(group, iv)
 
-    def _drop_override(self, iv: RequestInterventions) -> None:
+    def _drop_override(self, group: RequestGroup, iv: RequestInterventions) -> None:
         if iv.override_row is not None:
             assert iv.override is not None
             self.tables.dynamic_pool.release(iv.override_row)
             self.tables.clear_row(iv.override_row, iv.override)
+            for seq in group.seqs:  # gate bits now mean other gates
+                seq.latched = 0
         iv.override, iv.override_row = None, None
 
     def captures(self, group: RequestGroup) -> tuple[dict[str, torch.Tensor], list[int]] | None:
@@ -258,12 +295,17 @@ class InterventionManager:
 
     # -- global steering ------------------------------------------------------------------
 
-    def set_global(self, spec: Any) -> None:
-        """Engine-wide steering for every request (vectors only), replacing the previous."""
+    def check_global(self, spec: Any) -> ResolvedSteering | None:
+        """Resolve engine-wide steering (vectors only); InvalidRequestError on bad input."""
         parsed = parse_steering(spec)
         if parsed is not None and (parsed.gates or parsed.abort_when):
             raise InvalidRequestError("global steering takes `vectors` only (no gates/aborts)")
-        resolved = self.resolver.steering(parsed) if parsed else None
+        return self.resolver.steering(parsed) if parsed else None
+
+    def _set_global(self, spec: Any) -> None:
+        """Install engine-wide steering (the step thread only: it writes the tables)."""
+        resolved = self.check_global(spec)
+        parsed = parse_steering(spec)
         for phase, row in (("prefill", GLOBAL_PREFILL_ROW), ("decode", GLOBAL_DECODE_ROW)):
             self.tables.clear_row(row, self.global_rows[phase])
             content = getattr(resolved, phase) if resolved else RowContent()
@@ -273,13 +315,12 @@ class InterventionManager:
         self.global_spec = parsed
         self._env_changed()
 
-    def clear_global(self) -> None:
-        self.set_global(None)
-
     # -- actions --------------------------------------------------------------------------
 
     def submit(self, action: Action, source: str = "api") -> bool:
         """Queue an action for the top of the next step; False if the queue dropped it."""
+        if not isinstance(action, ACTION_TYPES):
+            raise InvalidRequestError(f"not a steering action: {type(action).__name__}")
         return self.queue.put(action, source)
 
     def apply_actions(self) -> None:
@@ -287,16 +328,22 @@ class InterventionManager:
         for source, action in self.queue.drain():
             try:
                 self._apply(action)
-            except (InvalidRequestError, NotFoundError) as exc:
+            except Exception as exc:  # a bad action is rejected, never fatal to the step
                 self.counters.rejected[source] += 1
-                self.counters.last_rejection[source] = f"{type(action).__name__}: {exc}"
-                log.info("rejected %s from %s: %s", type(action).__name__, source, exc)
+                reason = (
+                    str(exc) if isinstance(exc, InvalidRequestError | NotFoundError) else repr(exc)
+                )
+                self.counters.last_rejection[source] = reason
+                log.info("rejected %s from %s: %s", type(action).__name__, source, reason)
             else:
                 self.counters.applied[source] += 1
 
     def _apply(self, action: Action) -> None:
         if isinstance(action, SteeringVectorUpdate):
             site = parse_site(action.site)
+            _finite(action.scale, "SteeringVectorUpdate: scale")
+            for layer in action.layers:  # check everything before changing anything
+                self.resolver.check_layer(layer, "SteeringVectorUpdate")
             vectors: dict[int, torch.Tensor | None] = (
                 dict.fromkeys(action.layers)
                 if action.vector is None
@@ -306,9 +353,11 @@ class InterventionManager:
                     )
                 )
             )
-            for layer, vec in vectors.items():
-                self.resolver.check_layer(layer, "SteeringVectorUpdate")
-                self.tables.set_dynamic((layer, site), None if vec is None else action.scale * vec)
+            scaled = {L: None if v is None else action.scale * v for L, v in vectors.items()}
+            if any(v is not None and not bool(torch.isfinite(v).all()) for v in scaled.values()):
+                raise InvalidRequestError("SteeringVectorUpdate: scale × vector overflows")
+            for layer, vec in scaled.items():
+                self.tables.set_dynamic((layer, site), vec)
             self._env_changed()
         elif isinstance(action, SteeringMonitorUpdate):
             site = parse_site(action.site)
@@ -318,6 +367,8 @@ class InterventionManager:
                 if action.probe is None
                 else self.resolver.probe(action.probe, layer, "SteeringMonitorUpdate")
             )
+            _finite(action.threshold, "SteeringMonitorUpdate: threshold")
+            _finite(action.sharpness, "SteeringMonitorUpdate: sharpness")
             if not action.sharpness > 0:
                 raise InvalidRequestError("SteeringMonitorUpdate: sharpness must be > 0")
             self.tables.set_monitor(
@@ -328,6 +379,8 @@ class InterventionManager:
             self._apply_scale(action)
         elif isinstance(action, RequestSteeringOverride):
             self._apply_override(action)
+        elif isinstance(action, GlobalSteeringUpdate):
+            self._set_global(action.steering)
         else:
             raise InvalidRequestError(f"unknown action type {type(action).__name__}")
 
@@ -342,8 +395,9 @@ class InterventionManager:
         return group, group.interventions
 
     def _apply_scale(self, a: SteeringScaleUpdate) -> None:
-        if a.scale != a.scale or a.scale in (float("inf"), float("-inf")):
-            raise InvalidRequestError("SteeringScaleUpdate: scale must be finite")
+        _finite(a.scale, "SteeringScaleUpdate: scale")
+        if a.tier not in ("global_prefill", "global_decode", "dynamic", "request"):
+            raise InvalidRequestError(f"SteeringScaleUpdate: unknown tier {a.tier!r}")
         if a.tier in ("global_prefill", "global_decode"):
             phase = a.tier.removeprefix("global_")
             self.global_scale[phase] = a.scale
@@ -363,8 +417,13 @@ class InterventionManager:
                 raise InvalidRequestError(
                     f"SteeringScaleUpdate: request {a.request_id!r} has no decode steering row"
                 )
+            if not iv.decode_content.vectors:
+                raise InvalidRequestError(
+                    f"SteeringScaleUpdate: request {a.request_id!r} has no decode steering "
+                    "vectors to scale (gates carry their own scale)"
+                )
             if iv.override_row is None:  # scale a private copy: the shared row serves others
-                self._install_override(iv, iv.decode_content, "SteeringScaleUpdate")
+                self._install_override(group, iv, iv.decode_content, "SteeringScaleUpdate")
             assert iv.override_row is not None
             self.tables.set_row_scale(iv.override_row, a.scale)
             self._refresh_sigs(group)
@@ -372,7 +431,7 @@ class InterventionManager:
     def _apply_override(self, a: RequestSteeringOverride) -> None:
         group, iv = self._request(a.request_id, "RequestSteeringOverride")
         if a.steering is None:
-            self._drop_override(iv)
+            self._drop_override(group, iv)
         else:
             spec = parse_steering(a.steering)
             if spec is None:
@@ -380,15 +439,22 @@ class InterventionManager:
             else:
                 if spec.abort_when:
                     raise InvalidRequestError("RequestSteeringOverride: abort_when is not allowed")
+                if any(v.phase == "prefill" for v in spec.vectors):
+                    raise InvalidRequestError(
+                        "RequestSteeringOverride: an override steers decode tokens only; "
+                        "phase='prefill' vectors would never apply"
+                    )
                 content = self.resolver.steering(spec).decode
-            self._install_override(iv, content, "RequestSteeringOverride")
+            self._install_override(group, iv, content, "RequestSteeringOverride")
         self._refresh_sigs(group)
 
-    def _install_override(self, iv: RequestInterventions, content: RowContent, what: str) -> None:
+    def _install_override(
+        self, group: RequestGroup, iv: RequestInterventions, content: RowContent, what: str
+    ) -> None:
         pool: RowPool = self.tables.dynamic_pool
         if iv.override_row is None and not pool.free:
             raise InvalidRequestError(f"{what}: the dynamic-override pool is full")
-        self._drop_override(iv)
+        self._drop_override(group, iv)
         row = pool.acquire(content.digest)
         assert row is not None
         self.tables.write_row(row, content)
@@ -448,8 +514,7 @@ class InterventionManager:
         if iv is not None:
             content = iv.decode_content
             if not content.is_empty:
-                scale = float(self.tables.row_scale[iv.effective_decode_row]) if iv.has_rows else 1
-                parts += [content.digest, scale, iv.latched]
+                parts += [content.digest, self.tables.scale_of(iv.effective_decode_row)]
             if self.tables.dynamic:
                 parts += [iv.dyn_gain]
         group.decode_sig = digest(self._decode_env, *parts) if self._decode_env or parts else b""
@@ -539,7 +604,7 @@ class InterventionManager:
             n_dec = n - max(n_pre, 0)
             if n_dec > 0:
                 rows += [iv.effective_decode_row if iv else ZERO_ROW] * n_dec
-                latched += [iv.latched if iv else 0] * n_dec
+                latched += [seq.latched] * n_dec
                 decode += [1.0] * n_dec
                 gain += [dyn * iv.dyn_gain if iv else dyn] * n_dec
 
@@ -597,24 +662,18 @@ class InterventionManager:
                 elif probe.fires(value) and report.aborts[i] is None:
                     report.aborts[i] = probe.name
                     self.num_probe_aborts += 1
-        if any(
-            s.seq.group.interventions is not None
-            and s.seq.group.interventions.steering is not None
-            and s.seq.group.interventions.steering.latching_bits
-            for s in sched.scheduled
-        ):
+        latching = [
+            (s, span, iv.decode_content.latching_bits)
+            for s, span in zip(sched.scheduled, spans, strict=True)
+            if (iv := s.seq.group.interventions) is not None
+        ]
+        if any(bits for _, _, bits in latching):
             fired = step.fired.cpu().tolist()
-            for s, (start, count) in zip(sched.scheduled, spans, strict=True):
-                iv = s.seq.group.interventions
-                if iv is None or iv.steering is None:
-                    continue
+            for s, (start, count), latch_bits in latching:
                 bits = 0
                 for f in fired[start : start + count]:
                     bits |= f
-                new = bits & iv.steering.latching_bits & ~iv.latched
-                if new:
-                    iv.latched |= new
-                    self._refresh_sigs(s.seq.group)
+                s.seq.latched |= bits & latch_bits  # per sample: n > 1 samples latch apart
         if self.consumers:
             self._run_consumers(sched, step, spans)
         return report
@@ -651,7 +710,7 @@ class InterventionManager:
             )
             t0 = time.perf_counter()
             try:
-                actions = c.on_step(view) or []
+                actions = list(c.on_step(view) or [])
             except Exception as exc:  # a consumer's bug must not stop serving
                 timing.errors += 1
                 timing.last_error = repr(exc)
@@ -659,20 +718,20 @@ class InterventionManager:
                 actions = []
             timing.record((time.perf_counter() - t0) * 1e3)
             for action in actions:
-                self.queue.put(action, name)
+                if isinstance(action, ACTION_TYPES):
+                    self.queue.put(action, name)
+                else:
+                    timing.errors += 1
+                    timing.last_error = f"returned a non-action: {action!r}"
 
     # -- observability --------------------------------------------------------------------
 
     def snapshot(self) -> dict:
         """Queue counters, pool use, active tiers and monitors, consumer timing."""
         t = self.tables
-        q = self.queue
         return {
             "queue": {
-                "capacity": q.capacity,
-                "depth": len(q),
-                "enqueued": dict(q.enqueued),
-                "dropped": dict(q.dropped),
+                **self.queue.counters(),
                 "applied": dict(self.counters.applied),
                 "rejected": dict(self.counters.rejected),
                 "last_rejection": dict(self.counters.last_rejection),

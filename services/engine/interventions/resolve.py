@@ -56,6 +56,11 @@ class RowContent:
     def is_empty(self) -> bool:
         return not self.vectors and not self.gates
 
+    @property
+    def latching_bits(self) -> int:
+        """The bits of this row's `rest_of_request` gates."""
+        return sum(1 << g.bit for g in self.gates.values() if g.latch)
+
     def sites(self) -> set[SiteKey]:
         return set(self.vectors) | set(self.gates)
 
@@ -81,10 +86,6 @@ class ResolvedSteering:
     prefill: RowContent
     decode: RowContent
     abort_when: list[ProbeRead]
-
-    @property
-    def latching_bits(self) -> int:
-        return sum(1 << g.bit for g in self.decode.gates.values() if g.latch)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,8 @@ class Resolver:
         self, value: Any, layers: list[int] | None, what: str
     ) -> dict[int, torch.Tensor]:
         """`{layer: [H]}` for a vector value given for `layers` (one row each, or one for all)."""
+        if layers is not None and len(set(layers)) != len(layers):
+            raise InvalidRequestError(f"{what}: `layers` lists a layer twice: {layers}")
         if isinstance(value, str):
             entry = self.registry.get(value)
             if layers is None:
@@ -203,8 +206,6 @@ class Resolver:
             raise InvalidRequestError(f"{what}: `layers` is required with an inline vector")
         if not layers:
             raise InvalidRequestError(f"{what}: `layers` is empty")
-        if len(set(layers)) != len(layers):
-            raise InvalidRequestError(f"{what}: `layers` lists a layer twice: {layers}")
         try:
             t = decode_vector(value)
         except InvalidRequestError as exc:
@@ -236,6 +237,12 @@ class Resolver:
                     if v.phase in (phase, "both"):
                         key = (layer, v.site)
                         table[key] = table.get(key, 0) + v.scale * vec
+        for table in (prefill, decode):
+            for (layer, site), vec in table.items():
+                if not bool(torch.isfinite(vec).all()):
+                    raise InvalidRequestError(
+                        f"steering: scale × vector overflows at layer {layer} {site}"
+                    )
         gates: dict[SiteKey, GateRow] = {}
         if len(spec.gates) > MAX_GATES:
             raise InvalidRequestError(f"steering.gates: at most {MAX_GATES} gates per request")

@@ -80,10 +80,12 @@ class GateApply(_Strict):
 
 
 class Gate(_Strict):
-    """When the probe fires on a decode token, apply `apply` at the probe's (layer, site).
+    """A probe-weighted edit at the probe's (layer, site), on decode tokens only.
 
-    `this_token`: only tokens on which the probe fires. `rest_of_request`: from the first
-    firing on, every later decode token of the request (the gate latches).
+    On each decode token `apply` is weighted by `sigmoid(sharpness · (h·probe − threshold))`
+    (soft; a large sharpness makes it a switch). The gate "fires" when that weight passes
+    0.5. `this_token`: every token gets its own weight. `rest_of_request`: once it has
+    fired, every later decode token of that sample gets weight 1 (the gate latches).
     """
 
     when: ProbeCondition

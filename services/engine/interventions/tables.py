@@ -91,6 +91,7 @@ class SteeringTables:
         L, R, H = num_layers, self.num_rows, hidden_size
         f32 = torch.float32
         self.row_scale = torch.ones(R, device=device, dtype=f32)  # [R]
+        self._host_scale: dict[int, float] = {}  # rows whose scale is not 1 (host mirror)
         self.vec: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
         self.gate_probe: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
         self.gate_vec: dict[str, torch.Tensor] = {}
@@ -124,7 +125,7 @@ class SteeringTables:
             params = [1.0, g.threshold, g.sharpness, g.scale, float(g.attenuate), g.bit, g.latch]
             self.gate_params[site][layer, row] = torch.tensor(params, dtype=torch.float32)
         self.site_use.update(content.sites())
-        self.row_scale[row] = 1.0
+        self.set_row_scale(row, 1.0)
 
     def clear_row(self, row: int, content: RowContent) -> None:
         for layer, site in content.vectors:
@@ -132,10 +133,18 @@ class SteeringTables:
         for layer, site in content.gates:
             self.gate_params[site][layer, row] = 0
         self.site_use.subtract(content.sites())
-        self.row_scale[row] = 1.0
+        self.set_row_scale(row, 1.0)
 
     def set_row_scale(self, row: int, scale: float) -> None:
         self.row_scale[row] = scale
+        if scale == 1.0:
+            self._host_scale.pop(row, None)
+        else:
+            self._host_scale[row] = scale
+
+    def scale_of(self, row: int) -> float:
+        """A row's scale, read without touching the device."""
+        return self._host_scale.get(row, 1.0)
 
     # -- dynamic tier and monitors --------------------------------------------------------
 
