@@ -59,6 +59,7 @@ class ActionQueueFullError(CoxswainError):
     """A controller action could not be queued: the engine's bounded action queue is full."""
 
     http_status = 503
+    grpc_code = "UNAVAILABLE"
 
 
 class DuplicateRequestError(InvalidRequestError):

@@ -166,6 +166,12 @@ def _error(e: grpc.RpcError, address: str) -> CoxswainError:
     code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (e.details() if isinstance(e, grpc.Call) else None) or str(e)
     trailing = dict(e.trailing_metadata() or ()) if isinstance(e, grpc.Call) else {}
+    error_name = trailing.get(GRPC_ERROR_METADATA_KEY)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         details = f"patch store at {address}: {details}"
-    return error_from_grpc(code.name, details, trailing.get(GRPC_ERROR_METADATA_KEY))
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_name is None:  # gRPC's own limit
+        details = (
+            f"patch store at {address}: {details}; raise the server's max message size, lower "
+            "the client's chunk_bytes, or ask for fewer rows per get_rows"
+        )
+    return error_from_grpc(code.name, details, error_name)

@@ -5,6 +5,8 @@ A run maps (layer, site, position) to a row `[H]`. Per (layer, site) it keeps on
 Runs live under a byte budget with whole-run LRU eviction; a lease (a TTL hold per holder)
 protects a run from eviction, and when only leased runs are left the store keeps them over
 budget (a soft exceed, counted and logged) rather than un-patch an admitted request.
+Eviction runs when a put needs room and when a release may end a soft exceed; reads never
+evict, so a run just stored is there for its owner to lease even while over budget.
 """
 
 from __future__ import annotations
@@ -233,18 +235,18 @@ class PatchStore:
         hidden, dtype = check_run(run_id, rows, positions, token_ids)
         if not isinstance(model, str):
             raise InvalidRequestError(f"run {run_id!r}: model must be a string, got {model!r}")
+        size = sum(t.numel() * t.element_size() for t in rows.values())
+        if size > self.budget_bytes:
+            raise TooLargeError(
+                f"run {run_id!r} holds {size} bytes, more than the patch store's whole budget "
+                f"of {self.budget_bytes} bytes"
+            )
         blocks = {
             (int(layer), site): t.detach().to(
                 device="cpu", memory_format=torch.contiguous_format, copy=copy
             )
             for (layer, site), t in rows.items()
         }
-        size = sum(t.numel() * t.element_size() for t in blocks.values())
-        if size > self.budget_bytes:
-            raise TooLargeError(
-                f"run {run_id!r} holds {size} bytes, more than the patch store's whole budget "
-                f"of {self.budget_bytes} bytes"
-            )
         positions = tuple(int(p) for p in positions)
         with self._lock:
             now = self.clock()
@@ -292,7 +294,6 @@ class PatchStore:
             self._count("leases_refreshed" if holder in run.leases else "leases_granted")
             run.leases[holder] = expiry = now + float(ttl_s)
             self._runs.move_to_end(run_id)
-            self._enforce_budget_locked(now, keep=run_id)
             return expiry
 
     def release(self, run_id: str, holder: str) -> bool:
@@ -337,7 +338,6 @@ class PatchStore:
         """The rows at `keys` (each `(layer, site, position)`) as `[len(keys), H]` in the run's
         dtype. Every key must be held: a missing one is an error, never a zero row."""
         with self._lock:
-            now = self.clock()
             self._count("gets")
             try:
                 run = self._get_locked(run_id)
@@ -346,7 +346,6 @@ class PatchStore:
                 self._count("misses")
                 raise
             self._runs.move_to_end(run_id)
-            self._enforce_budget_locked(now, keep=run_id)
             self._count("hits")
             self._count("rows_served", len(keys))
         # Stored tensors are never written after put, so the gather needs no lock.
@@ -361,7 +360,6 @@ class PatchStore:
         """Metadata of the runs named (all runs, least recently used first, when None)."""
         with self._lock:
             now = self.clock()
-            self._enforce_budget_locked(now)
             if run_ids is None:
                 runs = list(self._runs.values())
             elif isinstance(run_ids, str):
@@ -376,7 +374,6 @@ class PatchStore:
             now = self.clock()
             for run in self._runs.values():
                 self._prune_leases_locked(run, now)
-            self._enforce_budget_locked(now)
             leased = [run for run in self._runs.values() if run.leases]
             return {
                 "runs": len(self._runs),
@@ -422,7 +419,7 @@ class PatchStore:
 
     def _enforce_budget_locked(self, now: float, keep: str | None = None) -> None:
         """Evict unleased runs, least recently used first, until the store fits its budget;
-        `keep` (the run just stored or read) is never the one evicted."""
+        `keep` (the run just stored) is never the one evicted."""
         if self._bytes <= self.budget_bytes:
             self._over_budget = False
             return
