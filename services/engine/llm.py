@@ -21,8 +21,8 @@ class LLM:
     enable_prefix_caching=True, ...)`: keyword arguments are `EngineConfig` fields.
     """
 
-    def __init__(self, model: str | Path, **engine_args: Any):
-        self.engine = LLMEngine(model, EngineConfig(**engine_args))
+    def __init__(self, model: str | Path, *, patch_store: Any = None, **engine_args: Any):
+        self.engine = LLMEngine(model, EngineConfig(**engine_args), patch_store=patch_store)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

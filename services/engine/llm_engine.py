@@ -50,7 +50,10 @@ class LLMEngine:
         model: str | Path,
         config: EngineConfig | None = None,
         ctx: ParallelContext = SINGLE_PROCESS,
+        patch_store: Any = None,
     ):
+        """`patch_store` (a `PatchStore` or `PatchStoreClient`) resolves `{"run": ...}` patch
+        sources and receives `capture={"sink": "patch_store", "run": ...}` captures."""
         self.config = cfg = config or EngineConfig()
         self.model_dir = Path(model)
         self.model_config = load_model_config(self.model_dir)
@@ -90,6 +93,8 @@ class LLMEngine:
             dynamic_rows=cfg.steering_dynamic_rows,
             action_queue_size=cfg.action_queue_size,
         )
+        self.interventions.patch_sources = patch_store
+        self.interventions.model_name = str(self.model_dir)
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -322,6 +327,7 @@ class LLMEngine:
             for seq in group.seqs
         ]
         captured = self.interventions.captures(group) if group.is_finished else None
+        iv = group.interventions
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -334,6 +340,8 @@ class LLMEngine:
             else None,
             captures=captured[0] if captured else ({} if group.params.capture else None),
             capture_positions=captured[1] if captured else ([] if group.params.capture else None),
+            capture_run=iv.capture_run if iv is not None else None,
+            capture_error=iv.capture_error if iv is not None else None,
         )
 
     # -- steering control -----------------------------------------------------------------

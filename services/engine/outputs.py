@@ -40,3 +40,6 @@ class RequestOutput:
     # `capture_positions`, on the final output of a request that asked for `capture`.
     captures: dict[str, Any] | None = None
     capture_positions: list[int] | None = None
+    # With capture sink "patch_store": the run the captures were written to, or why not.
+    capture_run: str | None = None
+    capture_error: str | None = None

@@ -183,3 +183,57 @@ def test_bad_patches_are_clear_errors(path, entry, message):
     with pytest.raises(InvalidRequestError, match="twice"):
         engine.add_request("y", CORRUPT, SamplingParams(patch=twice))
     assert not engine.has_unfinished_requests()
+
+
+# -- with a patch-source store: in process, and over gRPC on loopback --------------------
+
+
+@pytest.fixture(params=["in-process", "grpc"])
+def store(request):
+    from services.patch_store.client import PatchStoreClient
+    from services.patch_store.server import serve
+    from services.patch_store.store import PatchStore
+
+    local = PatchStore(budget_bytes=64 << 20)
+    if request.param == "in-process":
+        yield local
+        return
+    server = serve(local, "127.0.0.1", 0)
+    client = PatchStoreClient(server.address)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_captured_run_patches_like_the_inline_vector(path, clean_acts, store):
+    from services.engine import LLMEngine
+    from services.engine.config import EngineConfig
+
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"), patch_store=store)
+    capture = {
+        "sites": {"post_block": "all"},
+        "positions": "all_prompt",
+        "sink": "patch_store",
+        "run": "clean",
+    }
+    out = _run(engine, {"c": (CLEAN, SamplingParams(max_tokens=1, capture=capture))})["c"]
+    assert out.capture_run == "clean" and out.capture_error is None
+    (manifest,) = store.manifests(["clean"])
+    assert list(manifest.positions) == list(range(N)) and manifest.hidden_size == 64
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        engine.add_request("again", CLEAN, SamplingParams(capture=capture))
+    from_run = [{"layer": 1, "position": 7, "source": {"run": "clean", "position": 7}}]
+    inline = [_patch(1, "post_block", 7, clean_acts[(1, "post_block")][7])]
+    outs = _run(engine, {"run": (CORRUPT, _params(from_run)), "vec": (CORRUPT, _params(inline))})
+    assert _last_logprobs(outs["run"]) == pytest.approx(_last_logprobs(outs["vec"]), abs=1e-6)
+    from services.common.errors import RunNotFoundError
+
+    missing = [{"layer": 1, "position": 7, "source": {"run": "nope", "position": 7}}]
+    with pytest.raises(RunNotFoundError):
+        engine.add_request("m", CORRUPT, _params(missing))
+    absent_row = [{"layer": 1, "position": 7, "source": {"run": "clean", "position": N + 3}}]
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("r", CORRUPT, _params(absent_row))
+    assert not engine.has_unfinished_requests()

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from services.common.errors import InvalidRequestError, NotFoundError, RequestNotFoundError
+from services.common.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RequestNotFoundError,
+    RunNotFoundError,
+)
 from services.engine.interventions.actions import (
     ACTION_TYPES,
     Action,
@@ -45,7 +50,6 @@ from services.engine.interventions.consumers import (
 )
 from services.engine.interventions.planner import StepInterventions
 from services.engine.interventions.resolve import (
-    PatchSources,
     ProbeRead,
     ResolvedCapture,
     ResolvedPatches,
@@ -90,6 +94,8 @@ class RequestInterventions:
     capture: ResolvedCapture | None
     readouts: list[ProbeRead]
     patches: ResolvedPatches | None = None
+    capture_run: str | None = None  # the run its capture was written to
+    capture_error: str | None = None  # why writing it failed
     prefill_row: int = ZERO_ROW
     decode_row: int = ZERO_ROW
     override: RowContent | None = None  # decode content from a controller override
@@ -162,7 +168,8 @@ class InterventionManager:
         self.consumers: list[SyncConsumer] = []
         self.consumer_timing: dict[str, ConsumerTiming] = {}
         self.requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
-        self.patch_sources: PatchSources | None = None  # resolves {"run": ...} patch sources
+        self.patch_sources: Any = None  # a patch-source store: run sources, capture runs
+        self.model_name = ""  # recorded in the manifests of runs this engine writes
         self.global_spec: SteeringSpec | None = None
         self.global_rows = {"prefill": RowContent(), "decode": RowContent()}
         self.global_scale = {"prefill": 1.0, "decode": 1.0}
@@ -210,6 +217,17 @@ class InterventionManager:
                     f"this steering needs {len(contents)} table rows but the per-request pool "
                     f"has {self.tables.request_pool.size} (EngineConfig.steering_request_rows)"
                 )
+        if iv.capture is not None and iv.capture.run is not None:
+            if self.patch_sources is None:
+                raise InvalidRequestError(
+                    "capture sink 'patch_store' needs a patch-source store attached to the engine"
+                )
+            try:
+                self.patch_sources.manifests([iv.capture.run])
+            except RunNotFoundError:
+                pass  # free to write
+            else:
+                raise InvalidRequestError(f"capture run {iv.capture.run!r} already exists")
         if iv.capture is not None:
             if group.params.n > 1:
                 raise InvalidRequestError("capture is supported for n=1 requests only")
@@ -291,7 +309,31 @@ class InterventionManager:
         iv.override, iv.override_row = None, None
 
     def captures(self, group: RequestGroup) -> tuple[dict[str, torch.Tensor], list[int]] | None:
-        return self.sink.result(group.request_id)
+        """A finished request's captures; with sink "patch_store", written as its run first."""
+        result = self.sink.result(group.request_id)
+        iv = group.interventions
+        run = iv.capture.run if iv is not None and iv.capture is not None else None
+        if result is None or run is None or iv is None or iv.capture_run or iv.capture_error:
+            return result
+        tensors, positions = result
+        rows: dict[tuple[int, str], torch.Tensor] = {}
+        for key, t in tensors.items():
+            layer, site = key.split(".")
+            rows[(int(layer), site)] = t
+        seq = group.seqs[0]
+        try:
+            self.patch_sources.put_run(
+                run,
+                rows,
+                positions,
+                model=self.model_name,
+                token_ids=seq.token_ids[: max(positions) + 1],
+            )
+            iv.capture_run = run
+        except Exception as exc:  # the output says so; the other requests run on
+            iv.capture_error = f"writing capture run {run!r} failed: {exc}"
+            log.warning(iv.capture_error)
+        return result
 
     # -- global steering ------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ class ResolvedSteering:
 class ResolvedCapture:
     sites: list[SiteKey]
     positions: str | frozenset[int]
+    run: str | None = None  # also write to the patch-source store under this run id
 
     def wants(self, position: int, num_prompt_tokens: int) -> bool:
         p = self.positions
@@ -370,5 +371,5 @@ class Resolver:
         keys.sort(key=lambda k: (k[0], SITES.index(k[1])))
         positions = spec.positions
         return ResolvedCapture(
-            keys, frozenset(positions) if isinstance(positions, list) else positions
+            keys, frozenset(positions) if isinstance(positions, list) else positions, spec.run
         )

@@ -129,7 +129,10 @@ class CaptureSpec(_Strict):
 
     sites: dict[Site, list[Annotated[int, Field(ge=0)]] | Literal["all"]]
     positions: CapturePositions | list[Annotated[int, Field(ge=0)]] = "last_prompt"
-    sink: Literal["inline"] = "inline"
+    # "inline": returned with the output; "patch_store": also written to the engine's
+    # patch-source store as run `run` when the request finishes (a patch source for later).
+    sink: Literal["inline", "patch_store"] = "inline"
+    run: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> CaptureSpec:
@@ -137,6 +140,8 @@ class CaptureSpec(_Strict):
             raise ValueError("capture.sites is empty: name at least one site")
         if isinstance(self.positions, list) and not self.positions:
             raise ValueError("capture.positions is an empty list")
+        if (self.sink == "patch_store") != (self.run is not None):
+            raise ValueError("capture.run names the run with sink 'patch_store' (and only then)")
         return self
 
 
