@@ -237,3 +237,24 @@ def test_a_captured_run_patches_like_the_inline_vector(path, clean_acts, store):
     with pytest.raises(InvalidRequestError):
         engine.add_request("r", CORRUPT, _params(absent_row))
     assert not engine.has_unfinished_requests()
+
+
+def test_runs_read_by_patches_are_leased_once_per_half_ttl(path, clean_acts):
+    from services.engine import LLMEngine
+    from services.engine.config import EngineConfig
+    from services.patch_store.store import PatchStore
+
+    store = PatchStore(budget_bytes=1 << 20)
+    rows = {(1, "post_block"): clean_acts[(1, "post_block")]}
+    store.put_run("clean", rows, list(range(N)))
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"), patch_store=store)
+    src = [{"layer": 1, "position": 3, "source": {"run": "clean", "position": 3}}]
+    _run(engine, {f"c{i}": (CORRUPT, _params(src)) for i in range(3)})
+    (manifest,) = store.manifests(["clean"])
+    assert manifest.holders == (engine.interventions.lease_holder,)
+    stats = store.stats()
+    assert stats["leases_granted"] == 1 and stats["leases_refreshed"] == 0  # 3 requests, 1 lease
+    # a leased run survives memory pressure that would evict it otherwise
+    store.put_run("big", {(0, "post_block"): torch.zeros(4090, 64)}, list(range(4090)))
+    assert {m.run_id for m in store.manifests()} == {"clean", "big"}
+    assert store.stats()["budget_exceeded_events"] == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,9 @@ from services.engine.scheduler import ScheduledSeq, SchedulerOutput
 from services.engine.sequence import RequestGroup, Sequence
 
 log = logging.getLogger(__name__)
+
+# Runs that patches read are leased for this long, renewed once half of it has passed.
+RUN_LEASE_TTL_S = 300.0
 
 
 def _finite(value: float, what: str) -> None:
@@ -170,6 +174,8 @@ class InterventionManager:
         self.requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
         self.patch_sources: Any = None  # a patch-source store: run sources, capture runs
         self.model_name = ""  # recorded in the manifests of runs this engine writes
+        self.lease_holder = f"engine-{uuid.uuid4().hex[:12]}"
+        self._lease_refresh_at: dict[str, float] = {}  # run -> when its lease is renewed
         self.global_spec: SteeringSpec | None = None
         self.global_rows = {"prefill": RowContent(), "decode": RowContent()}
         self.global_scale = {"prefill": 1.0, "decode": 1.0}
@@ -196,7 +202,7 @@ class InterventionManager:
                 steering=self.resolver.steering(steering) if steering else None,
                 capture=self.resolver.capture(capture) if capture else None,
                 readouts=self.resolver.readouts(readouts),
-                patches=self.resolver.patches(patch, P, self.patch_sources) if patch else None,
+                patches=self._resolve_patches(patch, P) if patch else None,
             )
             self._check_servable(group, iv)
             if iv.capture and iv.capture.needs_full_prompt(P):
@@ -207,6 +213,19 @@ class InterventionManager:
                 iv.patches = self._on_device(iv.patches)
         group.interventions = iv
         self._refresh_sigs(group)
+
+    def _resolve_patches(self, entries: list, num_prompt_tokens: int) -> ResolvedPatches:
+        """Lease the runs the patches read (at most once per run per half lease), then fetch."""
+        runs = {e.source.run for e in entries if e.source.run is not None}
+        if runs and self.patch_sources is not None:
+            now = time.monotonic()
+            for run in sorted(runs):
+                if self._lease_refresh_at.get(run, 0.0) > now:
+                    continue
+                # Leasing also checks that the run exists (RunNotFoundError otherwise).
+                self.patch_sources.lease(run, RUN_LEASE_TTL_S, self.lease_holder)
+                self._lease_refresh_at[run] = now + RUN_LEASE_TTL_S / 2
+        return self.resolver.patches(entries, num_prompt_tokens, self.patch_sources)
 
     def _check_servable(self, group: RequestGroup, iv: RequestInterventions) -> None:
         """Reject what could never run or never be delivered, rather than skip it silently."""

@@ -1,0 +1,430 @@
+"""Causal-tracing sweeps: one patched request per (site, layer, position) cell, batched.
+
+A sweep runs the clean prompt (capturing the residuals it needs, unless a stored run is
+the source) and the corrupt prompt unpatched, then adds every cell plus an in-batch
+corrupt control to the engine at once so they share one continuous batch (and the corrupt
+prompt's prefix blocks before each cell's patched position). Cells are graded with the
+exact logprobs of an answer token and an optional foil.
+
+The sweep drives `engine.step()` itself, so the engine must have no other unfinished
+requests when it starts (InvalidRequestError otherwise). Outputs of requests someone adds
+while it runs are kept in `Sweep.foreign_outputs`, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from services.common.errors import CoxswainError, InvalidRequestError, RunNotFoundError
+from services.engine.interventions.sites import parse_site, site_key
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
+from services.engine.sampling_params import SamplingParams
+
+Metric = Literal["logprob", "logit_diff", "recovered"]
+
+
+@dataclass
+class SweepSpec:
+    """What to sweep: prompts (or a stored clean run), the grid, and how to grade a cell."""
+
+    corrupt_prompt: str | list[int]
+    answer_token: int | str
+    clean_prompt: str | list[int] | None = None
+    source_run: str | None = None
+    layers: list[int] | Literal["all"] = "all"
+    positions: list[int] | Literal["all_prompt"] = "all_prompt"  # of the corrupt prompt
+    sites: list[str] = field(default_factory=lambda: ["post_block"])
+    alpha: float = 1.0
+    foil_token: int | str | None = None
+    metric: Metric = "logprob"
+
+
+@dataclass
+class Cell:
+    """One patched request's result; `void` holds the error when it has no value."""
+
+    layer: int
+    site: str
+    position: int
+    value: float | None = None
+    logprob_answer: float | None = None
+    logprob_foil: float | None = None
+    void: str | None = None
+
+
+@dataclass
+class SweepResult:
+    """The graded grid `[site, layer, position]` (NaN where skipped or void) and its context."""
+
+    grid: np.ndarray  # [len(sites), len(layers), len(positions)]
+    layers: list[int]
+    positions: list[int]
+    sites: list[str]
+    metric: str
+    clean: float | None  # the clean baseline's metric (None: a stored run without tokens)
+    corrupt: float
+    argmax: Cell | None
+    skipped: list[int]
+    alignment: dict[str, Any]
+    noise_floor: float
+    void: list[Cell]
+    tokens: list[str]
+    cells: list[Cell]
+
+    def to_numpy(self) -> np.ndarray:
+        return self.grid.copy()
+
+
+def align(clean: list[int], corrupt: list[int]) -> dict[str, Any]:
+    """Map corrupt positions to clean ones: identity for equal lengths; otherwise the common
+    prefix by identity, the common suffix shifted by `offset`, the middle skipped."""
+    n_clean, n_corrupt = len(clean), len(corrupt)
+    shortest = min(n_clean, n_corrupt)
+    prefix = 0
+    while prefix < shortest and clean[prefix] == corrupt[prefix]:
+        prefix += 1
+    suffix = 0
+    while (
+        suffix < shortest - prefix
+        and clean[n_clean - 1 - suffix] == corrupt[n_corrupt - 1 - suffix]
+    ):
+        suffix += 1
+    offset = n_clean - n_corrupt
+    if offset == 0:
+        return {"prefix_len": prefix, "suffix_len": suffix, "skipped": [], "offset": 0}
+    skipped = list(range(prefix, n_corrupt - suffix))
+    return {"prefix_len": prefix, "suffix_len": suffix, "skipped": skipped, "offset": offset}
+
+
+def clean_position(alignment: dict[str, Any], p: int) -> int | None:
+    """The clean position a corrupt position `p` takes its activation from (None: skipped)."""
+    if alignment["offset"] == 0:
+        return p
+    if p < alignment["prefix_len"]:
+        return p
+    if p in alignment["skipped"]:
+        return None
+    return p + alignment["offset"]
+
+
+class Sweep:
+    """A causal-tracing sweep over one engine; `run()` for the whole grid, `iter_cells()` /
+    `cells()` to stream cells as they finish. A Sweep runs once."""
+
+    def __init__(self, engine: LLMEngine, spec: SweepSpec):
+        self.engine, self.spec = engine, spec
+        self.foreign_outputs: list[RequestOutput] = []
+        self._tag = f"sweep-{uuid.uuid4().hex[:8]}"
+        self._started = False
+        self._validate()
+
+    # -- validation (before anything runs) ----------------------------------------------
+
+    def _validate(self) -> None:
+        spec, engine = self.spec, self.engine
+        num_layers = engine.model_config.num_layers
+        if (spec.clean_prompt is None) == (spec.source_run is None):
+            raise InvalidRequestError("a sweep needs exactly one of clean_prompt or source_run")
+        if spec.metric not in ("logprob", "logit_diff", "recovered"):
+            raise InvalidRequestError(f"unknown metric {spec.metric!r}")
+        if not isinstance(spec.alpha, int | float) or not math.isfinite(spec.alpha):
+            raise InvalidRequestError(f"alpha must be a finite number, got {spec.alpha!r}")
+        self.layers = self._index_list(spec.layers, "all", num_layers, "layers")
+        if not spec.sites:
+            raise InvalidRequestError("sites is empty")
+        self.sites = [parse_site(s) for s in spec.sites]
+        if len(set(self.sites)) != len(self.sites):
+            raise InvalidRequestError(f"a site is listed twice: {spec.sites}")
+        _, self.corrupt_ids = engine.encode(spec.corrupt_prompt)
+        probe = SamplingParams(max_tokens=1)
+        engine.validate(self.corrupt_ids, probe)
+        self.positions = self._index_list(
+            spec.positions, "all_prompt", len(self.corrupt_ids), "positions"
+        )
+        self.answer = self._token(spec.answer_token, "answer_token")
+        self.foil = None if spec.foil_token is None else self._token(spec.foil_token, "foil_token")
+        if spec.metric == "logit_diff" and self.foil is None:
+            raise InvalidRequestError("metric 'logit_diff' needs a foil_token")
+        if self.foil is not None and self.foil == self.answer:
+            raise InvalidRequestError("foil_token is the answer token")
+        self.clean_ids: list[int] | None
+        if spec.clean_prompt is not None:
+            _, self.clean_ids = engine.encode(spec.clean_prompt)
+            engine.validate(self.clean_ids, probe)
+            self.alignment = align(self.clean_ids, self.corrupt_ids)
+        else:
+            self.clean_ids = self._check_run(spec.source_run)
+            self.alignment = align(self.clean_ids or self.corrupt_ids, self.corrupt_ids)
+        if spec.metric == "recovered" and self.clean_ids is None:
+            raise InvalidRequestError(
+                f"metric 'recovered' needs the clean baseline, but run {spec.source_run!r} "
+                "holds no token ids"
+            )
+        self.skipped = [p for p in self.positions if clean_position(self.alignment, p) is None]
+
+    def _index_list(self, value: Any, every: str, bound: int, name: str) -> list[int]:
+        if value == every:
+            return list(range(bound))
+        if not isinstance(value, list | tuple) or not value:
+            raise InvalidRequestError(f"{name} must be {every!r} or a non-empty list of ints")
+        bad = [
+            v for v in value if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < bound
+        ]
+        if bad:
+            raise InvalidRequestError(f"{name} out of range [0, {bound}): {bad[:5]}")
+        if len(set(value)) != len(value):
+            raise InvalidRequestError(f"{name} lists a value twice: {list(value)}")
+        return list(value)
+
+    def _token(self, value: int | str, name: str) -> int:
+        vocab = self.engine.model_config.vocab_size
+        if isinstance(value, str):
+            ids = self.engine.tokenizer.encode(value, add_special_tokens=False)
+            if len(ids) != 1:
+                raise InvalidRequestError(
+                    f"{name} {value!r} is multi-token ({len(ids)} tokens: {ids}); "
+                    "give one token (or its id)"
+                )
+            value = ids[0]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+            raise InvalidRequestError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
+        return value
+
+    def _check_run(self, run: str | None) -> list[int] | None:
+        """The stored run's token ids (None if it has none), after checking it holds every row
+        the grid needs; a length mismatch with the corrupt prompt is an error."""
+        store = self.engine.interventions.patch_sources
+        if store is None:
+            raise InvalidRequestError(
+                "source_run needs a patch-source store attached to the engine"
+            )
+        manifests = store.manifests([run])
+        if not manifests:
+            raise RunNotFoundError(f"no run {run!r} in the patch-source store")
+        manifest = manifests[0]
+        n_clean = len(manifest.token_ids) or (max(manifest.positions) + 1)
+        if n_clean != len(self.corrupt_ids):
+            raise InvalidRequestError(
+                f"run {run!r} covers {n_clean} positions but the corrupt prompt has "
+                f"{len(self.corrupt_ids)} tokens: a length mismatch needs clean_prompt to align"
+            )
+        missing_keys = [
+            site_key(L, s) for s in self.sites for L in self.layers if (L, s) not in manifest.keys
+        ]
+        missing_pos = sorted(set(self.positions) - set(manifest.positions))
+        if missing_keys or missing_pos:
+            raise InvalidRequestError(
+                f"run {run!r} lacks rows the sweep needs: sites {missing_keys[:5]}, "
+                f"positions {missing_pos[:5]}"
+            )
+        return list(manifest.token_ids) or None
+
+    # -- driving the engine ----------------------------------------------------------------
+
+    def _params(self, **kw: Any) -> SamplingParams:
+        ids = [self.answer] if self.foil is None else [self.answer, self.foil]
+        return SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=ids, **kw)
+
+    def _drive(self, pending: set[str]) -> Iterator[tuple[str, RequestOutput | str]]:
+        """Step while any of `pending` is unfinished; yield (id, final output or error)."""
+        engine = self.engine
+        while pending:
+            for rid in [r for r in pending if r not in engine.requests]:
+                pending.discard(rid)  # aborted by someone else: no output will come
+                yield rid, "the request was aborted before it finished"
+            if not pending:
+                return
+            for out in engine.step():
+                if out.request_id in pending:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                        yield out.request_id, out
+                elif out.finished:
+                    self.foreign_outputs.append(out)
+
+    def _grade(self, out: RequestOutput | str) -> tuple[float, float | None] | str:
+        """(logprob of answer, of foil) from a finished request, or why there are none."""
+        if isinstance(out, str):
+            return out
+        comp = out.outputs[0]
+        if comp.finish_reason not in ("length", "stop") or not comp.logprobs:
+            return f"the request ended with {comp.finish_reason!r} before a token"
+        lps = comp.logprobs[0]
+        if self.answer not in lps or (self.foil is not None and self.foil not in lps):
+            return "the answer/foil logprobs are missing from the output"
+        return lps[self.answer], (lps[self.foil] if self.foil is not None else None)
+
+    def _raw(self, answer: float, foil: float | None) -> float:
+        return answer - foil if foil is not None else answer
+
+    def _baselines(self) -> None:
+        """Run the clean prompt (capturing rows when it is the source) and the corrupt prompt
+        alone; sets the baseline metrics and the clean rows."""
+        engine, spec = self.engine, self.spec
+        adds: dict[str, tuple[list[int], SamplingParams]] = {
+            f"{self._tag}-corrupt": (self.corrupt_ids, self._params())
+        }
+        if self.clean_ids is not None:
+            capture = None
+            if spec.source_run is None:
+                capture = {"sites": {s: self.layers for s in self.sites}, "positions": "all_prompt"}
+            adds[f"{self._tag}-clean"] = (self.clean_ids, self._params(capture=capture))
+        for rid, (ids, params) in adds.items():
+            engine.add_request(rid, ids, params)
+        done = dict(self._drive(set(adds)))
+        results = {}
+        for rid, out in done.items():
+            graded = self._grade(out)
+            if isinstance(graded, str):
+                raise CoxswainError(f"sweep baseline {rid!r} failed: {graded}")
+            results[rid] = graded
+        self._raw_corrupt = self._raw(*results[f"{self._tag}-corrupt"])
+        self._raw_clean: float | None = None
+        self._rows: dict[tuple[int, str], Any] = {}
+        if self.clean_ids is not None:
+            self._raw_clean = self._raw(*results[f"{self._tag}-clean"])
+            clean_out = done[f"{self._tag}-clean"]
+            if spec.source_run is None:
+                assert isinstance(clean_out, RequestOutput) and clean_out.captures is not None
+                if clean_out.capture_positions != list(range(len(self.clean_ids))):
+                    raise CoxswainError("the clean capture did not cover every prompt position")
+                for s in self.sites:
+                    for L in self.layers:
+                        self._rows[(L, s)] = clean_out.captures[site_key(L, s)]  # [P, H]
+        if spec.metric == "recovered" and self._raw_clean == self._raw_corrupt:
+            raise InvalidRequestError(
+                "metric 'recovered' is undefined: the clean and corrupt baselines are equal"
+            )
+        self.clean = None if self._raw_clean is None else self._value_of_raw(self._raw_clean)
+        self.corrupt = self._value_of_raw(self._raw_corrupt)
+
+    def _value_of_raw(self, raw: float) -> float:
+        if self.spec.metric != "recovered":
+            return raw
+        assert self._raw_clean is not None  # checked in _validate
+        return (raw - self._raw_corrupt) / (self._raw_clean - self._raw_corrupt)
+
+    def _patch_entry(self, layer: int, site: str, p: int, q: int) -> dict:
+        if self.spec.source_run is not None:
+            source: dict = {"run": self.spec.source_run, "position": q}
+        else:
+            source = {"vector": self._rows[(layer, site)][q].tolist()}
+        return {
+            "layer": layer,
+            "site": site,
+            "position": p,
+            "alpha": self.spec.alpha,
+            "source": source,
+        }
+
+    def iter_cells(self) -> Generator[Cell, None, None]:
+        """Run the baselines, then every cell in one batch; yield each cell as it finishes
+        (void cells included, skipped ones not). Closing the generator early aborts the
+        sweep's unfinished requests."""
+        if self._started:
+            raise InvalidRequestError("this sweep has already run")
+        self._started = True
+        engine = self.engine
+        if engine.has_unfinished_requests():
+            raise InvalidRequestError(
+                f"the engine has {len(engine.requests)} unfinished requests: a sweep steps the "
+                "engine itself and needs it to itself"
+            )
+        self.cells_done: list[Cell] = []
+        ours: set[str] = set()
+        try:
+            self._baselines()
+            control = f"{self._tag}-control"
+            engine.add_request(control, self.corrupt_ids, self._params())
+            ours.add(control)
+            by_id: dict[str, Cell] = {}
+            for s in self.sites:
+                for L in self.layers:
+                    for p in self.positions:
+                        q = clean_position(self.alignment, p)
+                        if q is None:
+                            continue
+                        cell, rid = Cell(L, s, p), f"{self._tag}-{L}.{s}.{p}"
+                        try:
+                            params = self._params(patch=[self._patch_entry(L, s, p, q)])
+                            engine.add_request(rid, self.corrupt_ids, params)
+                        except CoxswainError as exc:
+                            cell.void = f"{type(exc).__name__}: {exc}"
+                            self.cells_done.append(cell)
+                            yield cell
+                            continue
+                        by_id[rid] = cell
+                        ours.add(rid)
+            for rid, out in self._drive(set(ours)):
+                ours.discard(rid)
+                graded = self._grade(out)
+                if rid == control:
+                    if isinstance(graded, str):
+                        raise CoxswainError(f"the in-batch corrupt control failed: {graded}")
+                    self.noise_floor = abs(self._value_of_raw(self._raw(*graded)) - self.corrupt)
+                    continue
+                cell = by_id[rid]
+                if isinstance(graded, str):
+                    cell.void = graded
+                else:
+                    cell.logprob_answer, cell.logprob_foil = graded
+                    cell.value = self._value_of_raw(self._raw(*graded))
+                self.cells_done.append(cell)
+                yield cell
+        finally:
+            for rid in ours:
+                if rid in engine.requests:
+                    engine.abort(rid)
+
+    async def cells(self) -> AsyncIterator[Cell]:
+        """`iter_cells()` with each engine step taken in a worker thread (don't use the
+        engine from elsewhere while it runs)."""
+        it = self.iter_cells()
+        done = object()
+        try:
+            while (cell := await asyncio.to_thread(next, it, done)) is not done:
+                yield cell  # type: ignore[misc]
+        finally:
+            it.close()
+
+    def run(self) -> SweepResult:
+        """Run the whole sweep and return the graded grid."""
+        for _ in self.iter_cells():
+            pass
+        return self.result()
+
+    def result(self) -> SweepResult:
+        """The grid of a finished sweep (after `run()` or a fully consumed `iter_cells()`)."""
+        grid = np.full((len(self.sites), len(self.layers), len(self.positions)), np.nan)
+        si = {s: i for i, s in enumerate(self.sites)}
+        li = {L: i for i, L in enumerate(self.layers)}
+        pi = {p: i for i, p in enumerate(self.positions)}
+        for c in self.cells_done:
+            if c.void is None:
+                grid[si[c.site], li[c.layer], pi[c.position]] = c.value
+        valid = [c for c in self.cells_done if c.void is None]
+        tok = self.engine.tokenizer
+        return SweepResult(
+            grid=grid,
+            layers=self.layers,
+            positions=self.positions,
+            sites=self.sites,
+            metric=self.spec.metric,
+            clean=self.clean,
+            corrupt=self.corrupt,
+            argmax=max(valid, key=lambda c: c.value or -math.inf) if valid else None,
+            skipped=self.skipped,
+            alignment=self.alignment,
+            noise_floor=self.noise_floor,
+            void=[c for c in self.cells_done if c.void is not None],
+            tokens=[tok.decode([t], skip_special_tokens=False) for t in self.corrupt_ids],
+            cells=list(self.cells_done),
+        )

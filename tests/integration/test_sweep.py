@@ -1,0 +1,183 @@
+"""Causal-tracing sweeps against `transformers` forward hooks (float32, CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from services.common.errors import InvalidRequestError
+from services.engine import SamplingParams
+from services.engine.sweep import Sweep, SweepSpec, align
+from tests.integration.test_steering import _engine, _prompt, _run
+from tests.oracle import hf_edited_logprobs, hf_logprobs, hf_residuals
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama", layers=3)
+
+
+N = 11
+CLEAN, CORRUPT = _prompt(90, N), _prompt(91, N)
+ANSWER, FOIL = 17, 42
+SITES = ["post_block", "pre_attn"]
+
+
+def _replace(position, target, alpha=1.0):
+    def fn(h):
+        out = h.clone()
+        out[position] = (1 - alpha) * h[position] + alpha * target
+        return out
+
+    return fn
+
+
+def _spec(**kw) -> SweepSpec:
+    base = dict(
+        corrupt_prompt=CORRUPT,
+        clean_prompt=CLEAN,
+        answer_token=ANSWER,
+        foil_token=FOIL,
+        metric="logit_diff",
+    )
+    return SweepSpec(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def full(path):
+    return Sweep(_engine(path), _spec(sites=SITES)).run()
+
+
+def test_the_grid_matches_one_hooked_forward_per_cell(path, full):
+    assert full.grid.shape == (2, 3, N) and full.positions == list(range(N))
+    assert not full.void and not full.skipped and not np.isnan(full.grid).any()
+    clean = hf_residuals(path, CLEAN, [(L, s) for L in range(3) for s in SITES])
+    for i, s in enumerate(SITES):
+        for L in range(3):
+            for p in range(N):
+                ref = hf_edited_logprobs(path, CORRUPT, {(L, s): _replace(p, clean[(L, s)][p])})
+                want = float(ref[N - 1, ANSWER] - ref[N - 1, FOIL])
+                assert full.grid[i, L, p] == pytest.approx(want, abs=1e-4), (s, L, p)
+    best = full.argmax
+    assert best.value == np.nanmax(full.grid)
+    assert full.tokens and len(full.tokens) == N
+
+
+def test_baselines_equal_unpatched_requests_and_the_noise_floor_is_tiny(path, full):
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[ANSWER, FOIL])
+    outs = _run(_engine(path), {"c": (CLEAN, params)})
+    outs.update(_run(_engine(path), {"x": (CORRUPT, params)}))
+    for rid, value in (("c", full.clean), ("x", full.corrupt)):
+        lp = outs[rid].outputs[0].logprobs[0]
+        assert value == pytest.approx(lp[ANSWER] - lp[FOIL], abs=1e-5)  # batched with each other
+    ref = hf_logprobs(path, CORRUPT)
+    assert full.corrupt == pytest.approx(float(ref[N - 1, ANSWER] - ref[N - 1, FOIL]), abs=1e-4)
+    assert 0 <= full.noise_floor < 1e-4
+
+
+def test_alpha_zero_and_self_patching_give_the_corrupt_value(path):
+    zero = Sweep(_engine(path), _spec(alpha=0.0, layers=[0, 2])).run()
+    assert np.allclose(zero.grid, zero.corrupt, atol=1e-5, rtol=0)
+    own = Sweep(_engine(path), _spec(clean_prompt=CORRUPT, sites=SITES)).run()
+    assert own.clean == pytest.approx(own.corrupt, abs=1e-6)
+    assert np.allclose(own.grid, own.corrupt, atol=1e-5, rtol=0)
+
+
+def test_recovered_is_zero_at_corrupt_and_one_at_clean(path, full):
+    res = Sweep(_engine(path), _spec(metric="recovered", layers=[2], positions=[N - 1])).run()
+    assert res.clean == 1.0 and res.corrupt == 0.0
+    # patching the last position after the last layer copies the clean output exactly
+    want = (full.grid[0, 2, N - 1] - full.corrupt) / (full.clean - full.corrupt)
+    assert res.grid[0, 0, 0] == pytest.approx(want, abs=1e-4)
+    assert res.grid[0, 0, 0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_unequal_lengths_align_prefix_and_suffix_and_skip_the_middle(path):
+    head, tail = [100, 101, 102, 103], [200, 201, 202]
+    clean, corrupt = [*head, 300, 301, 302, *tail], [*head, 400, *tail]
+    a = align(clean, corrupt)
+    assert a == {"prefix_len": 4, "suffix_len": 3, "skipped": [4], "offset": 2}
+    res = Sweep(
+        _engine(path),
+        SweepSpec(
+            corrupt_prompt=corrupt,
+            clean_prompt=clean,
+            answer_token=ANSWER,
+            layers=[1],
+        ),
+    ).run()
+    assert res.skipped == [4] and res.alignment == a
+    assert np.isnan(res.grid[0, 0, 4]) and not np.isnan(np.delete(res.grid[0, 0], 4)).any()
+    assert {c.position for c in res.cells} == {0, 1, 2, 3, 5, 6, 7}
+    rows = hf_residuals(path, clean, [(1, "post_block")])[(1, "post_block")]
+    for p, q in ((2, 2), (6, 8)):  # prefix by identity, suffix shifted by 2
+        ref = hf_edited_logprobs(path, corrupt, {(1, "post_block"): _replace(p, rows[q])})
+        assert res.grid[0, 0, p] == pytest.approx(float(ref[-1, ANSWER]), abs=1e-4)
+
+
+def test_a_stored_run_sweeps_like_the_captured_clean_prompt(path, full):
+    from services.engine import LLMEngine
+    from services.engine.config import EngineConfig
+    from services.patch_store.store import PatchStore
+
+    store = PatchStore(budget_bytes=16 << 20)
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"), patch_store=store)
+    capture = {"sites": {"post_block": "all"}, "positions": "all_prompt"}
+    capture |= {"sink": "patch_store", "run": "clean"}
+    _run(engine, {"c": (CLEAN, SamplingParams(max_tokens=1, capture=capture))})
+    res = Sweep(engine, _spec(clean_prompt=None, source_run="clean", layers=[0, 1])).run()
+    assert res.clean == pytest.approx(full.clean, abs=1e-6)
+    assert np.allclose(res.grid[0], full.grid[0, :2], atol=1e-5, rtol=0)
+    with pytest.raises(InvalidRequestError, match="length mismatch"):
+        Sweep(engine, _spec(clean_prompt=None, source_run="clean", corrupt_prompt=CORRUPT[:-1]))
+    assert not engine.has_unfinished_requests()
+    # a run dropped after the sweep was built: every cell is void, none reads as unpatched
+    late = Sweep(engine, _spec(clean_prompt=None, source_run="clean", layers=[1], positions=[2, 7]))
+    store.drop_run("clean")
+    res = late.run()
+    assert len(res.void) == 2 and all("clean" in c.void for c in res.void)
+    assert np.isnan(res.grid).all() and res.argmax is None
+    assert not engine.has_unfinished_requests()
+
+
+def test_cells_stream_as_they_finish(path):
+    sweep = Sweep(_engine(path), _spec(layers=[1], positions=[0, 5]))
+    seen = list(sweep.iter_cells())
+    assert sorted(c.position for c in seen) == [0, 5] and all(c.void is None for c in seen)
+
+    async def collect():
+        return [c async for c in Sweep(_engine(path), _spec(layers=[1], positions=[3])).cells()]
+
+    (cell,) = asyncio.run(collect())
+    assert cell.position == 3 and math.isfinite(cell.value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"answer_token": "the quick brown fox jumps"}, "multi-token"),
+        ({"layers": [3]}, "out of range"),
+        ({"positions": [N]}, "out of range"),
+        ({"sites": ["mlp_out"]}, "unknown site"),
+        ({"alpha": float("nan")}, "finite"),
+        ({"foil_token": None}, "needs a foil"),
+        ({"foil_token": 10**6}, "token id"),
+        ({"source_run": "r"}, "exactly one"),
+    ],
+)
+def test_bad_sweeps_are_errors_before_anything_runs(path, change, message):
+    engine = _engine(path)
+    with pytest.raises(InvalidRequestError, match=message):
+        Sweep(engine, _spec(**change))
+    assert engine.num_steps == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_sweep_refuses_an_engine_with_other_requests(path):
+    engine = _engine(path)
+    engine.add_request("other", CORRUPT, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="unfinished requests"):
+        Sweep(engine, _spec(layers=[0], positions=[0])).run()
+    assert "other" in engine.requests
