@@ -420,7 +420,9 @@ class Sweep:
             metric=self.spec.metric,
             clean=self.clean,
             corrupt=self.corrupt,
-            argmax=max(valid, key=lambda c: c.value or -math.inf) if valid else None,
+            argmax=max(valid, key=lambda c: -math.inf if c.value is None else c.value)
+            if valid
+            else None,
             skipped=self.skipped,
             alignment=self.alignment,
             noise_floor=self.noise_floor,
