@@ -40,7 +40,9 @@ class SweepSpec:
     clean_prompt: str | list[int] | None = None
     source_run: str | None = None
     layers: list[int] | Literal["all"] = "all"
-    positions: list[int] | Literal["all_prompt"] = "all_prompt"  # of the corrupt prompt
+    # of the corrupt prompt: ints, or text spans (a str item: the tokens covering its first
+    # occurrence in a string corrupt prompt)
+    positions: list[int | str] | Literal["all_prompt"] = "all_prompt"
     sites: list[str] = field(default_factory=lambda: ["post_block"])
     alpha: float = 1.0
     foil_token: int | str | None = None
@@ -147,7 +149,7 @@ class Sweep:
         probe = SamplingParams(max_tokens=1)
         engine.validate(self.corrupt_ids, probe)
         self.positions = self._index_list(
-            spec.positions, "all_prompt", len(self.corrupt_ids), "positions"
+            self._text_spans(spec.positions), "all_prompt", len(self.corrupt_ids), "positions"
         )
         self.answer = self._token(spec.answer_token, "answer_token")
         self.foil = None if spec.foil_token is None else self._token(spec.foil_token, "foil_token")
@@ -169,6 +171,31 @@ class Sweep:
                 "holds no token ids"
             )
         self.skipped = [p for p in self.positions if clean_position(self.alignment, p) is None]
+
+    def _text_spans(self, positions: Any) -> Any:
+        """Positions with each text span replaced by the token positions that cover it."""
+        if not isinstance(positions, list | tuple) or not any(
+            isinstance(p, str) for p in positions
+        ):
+            return positions
+        prompt = self.spec.corrupt_prompt
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("text-span positions need corrupt_prompt as a string")
+        ids, offsets = self.engine.tokenizer.encode_with_offsets(prompt)
+        if ids != self.corrupt_ids:
+            raise InvalidRequestError("the corrupt prompt's token offsets do not match its ids")
+        out: list[Any] = []
+        for p in positions:
+            if not isinstance(p, str):
+                out.append(p)
+                continue
+            start = prompt.find(p) if p else -1
+            if start < 0:
+                raise InvalidRequestError(f"text span {p!r} is not in the corrupt prompt")
+            end = start + len(p)
+            covering = [i for i, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
+            out += [i for i in covering if i not in out]
+        return out
 
     def _index_list(self, value: Any, every: str, bound: int, name: str) -> list[int]:
         if value == every:

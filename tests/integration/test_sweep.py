@@ -181,3 +181,31 @@ def test_a_sweep_refuses_an_engine_with_other_requests(path):
     with pytest.raises(InvalidRequestError, match="unfinished requests"):
         Sweep(engine, _spec(layers=[0], positions=[0])).run()
     assert "other" in engine.requests
+
+
+def test_text_spans_select_the_tokens_that_cover_them(path):
+    engine = _engine(path)
+    clean, corrupt = (
+        "The quick brown fox jumps over the dog",
+        "The quick brown cat jumps over the dog",
+    )
+    spec = SweepSpec(
+        corrupt_prompt=corrupt, clean_prompt=clean, answer_token=ANSWER, positions=[" cat", 0]
+    )
+    sweep = Sweep(engine, spec)
+    ids = engine.tokenizer.encode(corrupt)
+    span = [p for p in sweep.positions if p != 0]
+    assert span and " cat" in engine.tokenizer.decode([ids[p] for p in span])
+    assert sweep.positions[-1] == 0
+    res = sweep.run()
+    assert res.positions == sweep.positions and not np.isnan(res.grid).all()
+    missing = SweepSpec(
+        corrupt_prompt=corrupt, clean_prompt=clean, answer_token=ANSWER, positions=["zebra"]
+    )
+    with pytest.raises(InvalidRequestError, match="not in the corrupt prompt"):
+        Sweep(engine, missing)
+    ids_prompt = SweepSpec(
+        corrupt_prompt=ids, clean_prompt=clean, answer_token=ANSWER, positions=[" cat"]
+    )
+    with pytest.raises(InvalidRequestError, match="as a string"):
+        Sweep(engine, ids_prompt)
