@@ -34,11 +34,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from generated_model import add_model_arguments, checkpoint_dir, resolve_device
 from throughput import DTYPES, hf_generate, load_hf, sync
 
 from services.engine import LLM, SamplingParams
 from services.engine.model.config import load_model_config
-from services.engine.model.tiny import make_tiny_checkpoint
 
 CAPTURE = {"sites": {"post_block": "all"}, "positions": "last_prompt"}
 
@@ -199,16 +199,7 @@ def run_hf(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="a local HF checkpoint dir (default: generate one)")
-    g = p.add_argument_group("generated model (without --model)")
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--hidden", type=int, default=256)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--kv-heads", type=int, default=4)
-    g.add_argument("--intermediate", type=int, help="default: make_tiny_checkpoint's")
-    g.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, else fp32")
+    add_model_arguments(p)
     w = p.add_argument_group("workload")
     w.add_argument("--num-seqs", type=int, default=64)
     w.add_argument("--prompt-len", type=int, default=128)
@@ -224,15 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per config; best counts")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy machine)"
-    )
     args = p.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    args.dtype = args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")
+    resolve_device(args)
     args.ks = [int(k) for k in args.ks.split(",") if k]
     args.hf_batch_size = args.hf_batch_size or args.num_seqs
     args.max_num_seqs = args.max_num_seqs or args.num_seqs
@@ -242,24 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="coxswain-bench-") as tmp:
-        if args.model is None:
-            t = time.perf_counter()
-            model_dir = make_tiny_checkpoint(
-                Path(tmp) / "model",
-                layers=args.layers,
-                hidden=args.hidden,
-                heads=args.heads,
-                kv_heads=args.kv_heads,
-                intermediate=args.intermediate,
-                vocab=args.vocab,
-                max_position_embeddings=max(1024, args.prompt_len + args.output_len),
-                dtype=args.dtype,
-                seed=args.seed,
-            )
-            print(f"built a random checkpoint in {time.perf_counter() - t:.1f}s")
-        else:
-            model_dir = args.model
-        bench(args, model_dir)
+        bench(args, checkpoint_dir(args, Path(tmp), max(1024, args.prompt_len + args.output_len)))
 
 
 def bench(args: argparse.Namespace, model_dir: Path) -> None:
