@@ -62,7 +62,6 @@ from services.engine.interventions.resolve import (
 )
 from services.engine.interventions.sites import SITES, parse_site, site_key
 from services.engine.interventions.spec import (
-    SteeringSpec,
     parse_capture,
     parse_patch,
     parse_readouts,
@@ -176,7 +175,6 @@ class InterventionManager:
         self.model_name = ""  # recorded in the manifests of runs this engine writes
         self.lease_holder = f"engine-{uuid.uuid4().hex[:12]}"
         self._lease_refresh_at: dict[str, float] = {}  # run -> when its lease is renewed
-        self.global_spec: SteeringSpec | None = None
         self.global_rows = {"prefill": RowContent(), "decode": RowContent()}
         self.global_scale = {"prefill": 1.0, "decode": 1.0}
         self.dynamic_gain = 1.0
@@ -366,14 +364,12 @@ class InterventionManager:
     def _set_global(self, spec: Any) -> None:
         """Install engine-wide steering (the step thread only: it writes the tables)."""
         resolved = self.check_global(spec)
-        parsed = parse_steering(spec)
         for phase, row in (("prefill", GLOBAL_PREFILL_ROW), ("decode", GLOBAL_DECODE_ROW)):
             self.tables.clear_row(row, self.global_rows[phase])
             content = getattr(resolved, phase) if resolved else RowContent()
             self.tables.write_row(row, content)
             self.tables.set_row_scale(row, self.global_scale[phase])
             self.global_rows[phase] = content
-        self.global_spec = parsed
         self._env_changed()
 
     # -- actions --------------------------------------------------------------------------
@@ -589,6 +585,7 @@ class InterventionManager:
             s.seq.record_kv_sigs(s.start, s.num_tokens)
         kernel_sites = self.tables.active_sites()
         capture_rows: dict[SiteKey, list[int]] = {}
+        capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = {}
         read_rows: dict[SiteKey, list[int]] = {}
         read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = {}
         patch_rows: dict[SiteKey, list[tuple[int, torch.Tensor, float]]] = {}
@@ -596,7 +593,7 @@ class InterventionManager:
         for i, s in enumerate(sched.scheduled):
             iv = s.seq.group.interventions
             if iv is not None and (iv.capture is not None or iv.probes):
-                self._plan_reads(i, row0, s, iv, capture_rows, read_rows, read_meta)
+                self._plan_reads(i, row0, s, iv, capture_rows, capture_meta, read_rows, read_meta)
             if iv is not None and iv.patches is not None:
                 end = s.start + s.num_tokens
                 for key, entries in iv.patches.by_site.items():
@@ -628,6 +625,7 @@ class InterventionManager:
             dyn_gain=gain,
             latched=latched,
             capture_index={k: tensor(v, torch.long) for k, v in capture_rows.items()},
+            capture_meta=capture_meta,
             readout_index={
                 k: (
                     tensor(v, torch.long),
@@ -676,6 +674,7 @@ class InterventionManager:
         s: ScheduledSeq,
         iv: RequestInterventions,
         capture_rows: dict[SiteKey, list[int]],
+        capture_meta: dict[SiteKey, list[tuple[str, list[int]]]],
         read_rows: dict[SiteKey, list[int]],
         read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]],
     ) -> None:
@@ -683,10 +682,12 @@ class InterventionManager:
         seq, n = s.seq, s.num_tokens
         if iv.capture is not None and seq.index == 0:
             P = seq.num_prompt_tokens
-            wanted = [row0 + j for j in range(n) if iv.capture.wants(s.start + j, P)]
-            if wanted:
+            positions = [p for p in range(s.start, s.start + n) if iv.capture.wants(p, P)]
+            if positions:
+                rows = [row0 + p - s.start for p in positions]
                 for key in iv.capture.sites:
-                    capture_rows.setdefault(key, []).extend(wanted)
+                    capture_rows.setdefault(key, []).extend(rows)
+                    capture_meta.setdefault(key, []).append((seq.group.request_id, positions))
         if s.samples:
             for probe in iv.probes:
                 key = (probe.layer, probe.site)
@@ -698,23 +699,12 @@ class InterventionManager:
         n = len(sched.scheduled)
         report = StepReport([None] * n, [None] * n)
         spans = self._spans(sched)
-        if step.captured:
-            for key, rows in step.captured.items():
-                rows = rows.float().cpu()
-                name, at = site_key(*key), 0
-                for s in sched.scheduled:
-                    iv = s.seq.group.interventions
-                    if iv is None or iv.capture is None or s.seq.index != 0:
-                        continue
-                    if key not in iv.capture.sites:
-                        continue
-                    P = s.seq.num_prompt_tokens
-                    pos = [
-                        p for p in range(s.start, s.start + s.num_tokens) if iv.capture.wants(p, P)
-                    ]
-                    if pos:
-                        self.sink.write(s.seq.group.request_id, name, pos, rows[at : at + len(pos)])
-                        at += len(pos)
+        for key, rows in step.captured.items():
+            rows = rows.float().cpu()  # [sum of positions, H], in capture_meta's order
+            name, at = site_key(*key), 0
+            for request_id, positions in step.capture_meta[key]:
+                self.sink.write(request_id, name, positions, rows[at : at + len(positions)])
+                at += len(positions)
         for key, scores in step.scores.items():
             for (i, probe), value in zip(step.readout_meta[key], scores.tolist(), strict=True):
                 if probe.threshold is None:

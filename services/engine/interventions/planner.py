@@ -28,6 +28,8 @@ class StepInterventions:
     dyn_gain: torch.Tensor  # [T] float32: dynamic-tier gain (0 on prefill tokens)
     latched: torch.Tensor  # [T] int32: latched gate bits of each token's request
     capture_index: dict[SiteKey, torch.Tensor] = field(default_factory=dict)  # rows to copy
+    # per (layer, site): (request id, positions) of the copied rows, in row order
+    capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = field(default_factory=dict)
     readout_index: dict[SiteKey, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )  # rows [n], probes [n, H]
