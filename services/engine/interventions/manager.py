@@ -168,7 +168,8 @@ class InterventionManager:
         self.queue = ActionQueue(action_queue_size)
         self.counters = _Counters()
         self.sink: CaptureSink = InlineCaptureSink()
-        self.consumers: list[SyncConsumer] = []
+        # name -> (consumer, the (layer, site)s it reads), checked once when added
+        self.consumers: dict[str, tuple[SyncConsumer, frozenset[SiteKey]]] = {}
         self.consumer_timing: dict[str, ConsumerTiming] = {}
         self.requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
         self.patch_sources: Any = None  # a patch-source store: run sources, capture runs
@@ -522,21 +523,19 @@ class InterventionManager:
     def add_consumer(self, consumer: SyncConsumer) -> None:
         """Register a sync consumer; its declared sites are checked now."""
         name = getattr(consumer, "name", type(consumer).__name__)
-        if name in self.consumer_timing:
+        if name in self.consumers:
             raise InvalidRequestError(f"a consumer named {name!r} is already registered")
-        for site, layers in consumer.sites.items():
-            parse_site(site)
-            for layer in layers:
-                self.resolver.check_layer(layer, f"consumer {name!r}")
-        self.consumers.append(consumer)
+        keys = frozenset(
+            (self.resolver.check_layer(layer, f"consumer {name!r}"), parse_site(site))
+            for site, layers in consumer.sites.items()
+            for layer in layers
+        )
+        self.consumers[name] = (consumer, keys)
         self.consumer_timing[name] = ConsumerTiming()
 
     def remove_consumer(self, name: str) -> None:
-        self.consumers = [c for c in self.consumers if getattr(c, "name", None) != name]
+        self.consumers.pop(name, None)
         self.consumer_timing.pop(name, None)
-
-    def _consumer_sites(self, consumer: SyncConsumer) -> set[SiteKey]:
-        return {(L, parse_site(s)) for s, layers in consumer.sites.items() for L in layers}
 
     # -- KV signatures ----------------------------------------------------------------------
 
@@ -642,7 +641,7 @@ class InterventionManager:
                 )
                 for k, v in patch_rows.items()
             },
-            view_sites={k for c in self.consumers for k in self._consumer_sites(c)},
+            view_sites={k for _, keys in self.consumers.values() for k in keys},
         )
 
     def _plan_tokens(
@@ -751,12 +750,11 @@ class InterventionManager:
             )
             for s, (start, count) in zip(sched.scheduled, spans, strict=True)
         ]
-        for c in self.consumers:
-            name = getattr(c, "name", type(c).__name__)
+        for name, (c, keys) in self.consumers.items():
             timing = self.consumer_timing[name]
             view = StepView(
                 step=self.steps,
-                activations={k: step.view[k] for k in self._consumer_sites(c)},
+                activations={k: step.view[k] for k in keys},
                 requests=requests,
             )
             t0 = time.perf_counter()
