@@ -343,7 +343,7 @@ class Sweep:
         if self.spec.source_run is not None:
             source: dict = {"run": self.spec.source_run, "position": q}
         else:
-            source = {"vector": self._rows[(layer, site)][q].tolist()}
+            source = {"vector": self._rows[(layer, site)][q]}
         return {
             "layer": layer,
             "site": site,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.errors import InvalidRequestError
@@ -28,12 +29,15 @@ def _site(value: Any) -> str:
 
 
 Site = Annotated[str, BeforeValidator(_site)]
-VectorValue = list[float] | list[list[float]] | dict[str, Any] | str
+# In Python a tensor is accepted too, so callers holding activations skip a list round trip.
+VectorValue = list[float] | list[list[float]] | dict[str, Any] | str | torch.Tensor
 Phase = Literal["prefill", "decode", "both"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, arbitrary_types_allowed=True
+    )
 
 
 class SteerVector(_Strict):
