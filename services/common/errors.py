@@ -91,6 +91,20 @@ class ServiceUnavailableError(CoxswainError):
     grpc_code = "UNAVAILABLE"
 
 
+class UnauthenticatedError(CoxswainError):
+    """A route needs a bearer API key and none (or an unknown one) came with the call."""
+
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(CoxswainError):
+    """The API key is valid but its scope does not allow this operation (admin needed)."""
+
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
+
+
 def http_status(exc: BaseException) -> int:
     """The HTTP status code for an exception: 4xx for the caller's mistakes, 500 otherwise."""
     return exc.http_status if isinstance(exc, CoxswainError) else 500
@@ -117,6 +131,8 @@ _GRPC_FALLBACK: dict[str, type[CoxswainError]] = {
     "RESOURCE_EXHAUSTED": TooLargeError,
     "UNAVAILABLE": ServiceUnavailableError,
     "DEADLINE_EXCEEDED": ServiceUnavailableError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
 }
 
 

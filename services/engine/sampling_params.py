@@ -45,6 +45,9 @@ class SamplingParams:
     capture: Any = None  # CaptureSpec or its dict form
     readouts: Any = None  # list of Readout or their dict forms
     patch: Any = None  # list of PatchEntry or their dict forms
+    # Ties the requests of one conversation together for the async controller (its latch
+    # policy keeps steering a conversation once a probe fired in it); opaque to the engine.
+    conversation_id: str | None = None
 
     def __post_init__(self) -> None:
         from services.engine.interventions.spec import (
