@@ -1,8 +1,9 @@
 """`AsyncLLM`: the engine behind an asyncio API, for streaming servers.
 
 The engine steps in one background thread (a model forward blocks); each request's
-outputs are handed to the asyncio loop that asked for them. `generate()` yields the
-request's cumulative output after every step that advanced it.
+outputs are handed to whoever asked for them: an asyncio caller of `generate()`, or any
+thread through `submit()`'s callback. Listeners see every step's outputs (the async
+controller's read-out publisher is one).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +23,48 @@ from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+Deliver = Callable[[RequestOutput | BaseException], None]
+Listener = Callable[[list[RequestOutput]], None]
+
 
 class AsyncLLM:
-    """Continuous batching for many concurrent asyncio callers of one engine."""
+    """Continuous batching for many concurrent callers of one engine.
 
-    def __init__(self, model: str | Path, **engine_args: Any):
-        self.engine = LLMEngine(model, EngineConfig(**engine_args))
+    `AsyncLLM("DIR", **engine_config)` builds its engine; `AsyncLLM(engine=e)` serves a
+    prebuilt one (e.g. the driver rank of a tensor/pipeline-parallel replica).
+    """
+
+    def __init__(
+        self, model: str | Path | None = None, *, engine: LLMEngine | None = None, **engine_args
+    ):
+        if (model is None) == (engine is None):
+            raise ValueError("give AsyncLLM a model directory or an engine, not both")
+        self.engine = engine or LLMEngine(model, EngineConfig(**engine_args))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()  # engine calls: add/abort from callers, step from the loop
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._deliver: dict[str, Deliver] = {}
+        self._listeners: list[Listener] = []
         self._ids = itertools.count()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="coxswain-engine", daemon=True)
         self._thread.start()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        deliver: Deliver,
+    ) -> None:
+        """Queue a request whose outputs (or the step's failure) go to `deliver`, called in the
+        engine thread after each step that advanced it. Bad input raises here."""
+        if self._stopped:
+            raise RuntimeError("AsyncLLM is shut down")
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params)
+            self._deliver[request_id] = deliver
+        self._wake.set()
 
     async def generate(
         self,
@@ -49,14 +78,12 @@ class AsyncLLM:
         (`aclose()`, e.g. via `contextlib.aclosing`, when the client went away) aborts the
         request and frees its KV blocks.
         """
-        if self._stopped:
-            raise RuntimeError("AsyncLLM is shut down")
         rid = request_id or f"async-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(rid, prompt, params)
-            self._streams[rid] = (asyncio.get_running_loop(), queue)
-        self._wake.set()
+        self.submit(
+            rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
+        )
         finished = False
         try:
             while not finished:
@@ -66,24 +93,38 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
+            self._deliver.pop(request_id, None)
             if request_id in self.engine.requests:
                 self.engine.abort(request_id)
 
-    def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(outputs)` in the engine thread after every step that produced
+        outputs. It must be quick and must not raise (errors are logged and ignored)."""
+        self._listeners.append(listener)
 
-    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(rid)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` between steps (under the engine lock) and return its result."""
+        with self._lock:
+            return fn(self.engine)
+
+    def stats(self) -> dict:
+        return self.call(LLMEngine.stats)
+
+    def _emit(self, rid: str, item: RequestOutput | BaseException) -> None:
+        deliver = self._deliver.get(rid)
+        if deliver is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self._deliver.pop(rid, None)
+        try:
+            deliver(item)
+        except Exception:
+            log.exception("delivering output of %s failed", rid)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -101,10 +142,15 @@ class AsyncLLM:
                     for rid in rids:
                         self.engine.abort(rid)
                 for rid in rids:
-                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                    self._emit(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out)
+                self._emit(out.request_id, out)
+            for listener in self._listeners:
+                try:
+                    listener(outputs)
+                except Exception:
+                    log.exception("output listener failed")
 
     def shutdown(self) -> None:
         self._stopped = True
