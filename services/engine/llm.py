@@ -21,8 +21,22 @@ class LLM:
     enable_prefix_caching=True, ...)`: keyword arguments are `EngineConfig` fields.
     """
 
-    def __init__(self, model: str | Path, *, patch_store: Any = None, **engine_args: Any):
-        self.engine = LLMEngine(model, EngineConfig(**engine_args), patch_store=patch_store)
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        patch_store: Any = None,
+        engine: LLMEngine | None = None,
+        **engine_args: Any,
+    ):
+        """`engine=` serves a prebuilt engine instead (e.g. a parallel replica's driver)."""
+        if (model is None) == (engine is None):
+            raise ValueError("give LLM a model directory or an engine, not both")
+        self.engine = engine or LLMEngine(
+            model,  # type: ignore[arg-type]
+            EngineConfig(**engine_args),
+            patch_store=patch_store,
+        )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +24,7 @@ from services.common.errors import (
     RequestNotFoundError,
 )
 from services.engine.config import EngineConfig
+from services.engine.distributed import StepSync
 from services.engine.interventions.actions import Action, GlobalSteeringUpdate
 from services.engine.interventions.consumers import SyncConsumer
 from services.engine.interventions.manager import InterventionManager
@@ -51,9 +53,16 @@ class LLMEngine:
         config: EngineConfig | None = None,
         ctx: ParallelContext = SINGLE_PROCESS,
         patch_store: Any = None,
+        sync: StepSync | None = None,
     ):
         """`patch_store` (a `PatchStore` or `PatchStoreClient`) resolves `{"run": ...}` patch
-        sources and receives `capture={"sink": "patch_store", "run": ...}` captures."""
+        sources and receives `capture={"sink": "patch_store", "run": ...}` captures.
+
+        `ctx` and `sync` (from `distributed.init_replica`) make this one rank of a tensor- and
+        pipeline-parallel replica; callers use rank 0's engine only."""
+        if (ctx.world_size > 1) != (sync is not None):
+            raise ValueError("a parallel ctx needs a StepSync (distributed.init_replica)")
+        self.sync = sync
         self.config = cfg = config or EngineConfig()
         self.model_dir = Path(model)
         self.model_config = load_model_config(self.model_dir)
@@ -75,6 +84,8 @@ class LLMEngine:
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
         num_blocks = self._num_kv_blocks()
+        if sync is not None:  # stages hold different layer counts: all must agree on blocks
+            num_blocks = sync.min_over_ranks(num_blocks)
         if num_blocks * cfg.block_size < self.max_model_len:
             log.warning(
                 "KV cache holds %d tokens: max_model_len lowered from %d",
@@ -95,6 +106,8 @@ class LLMEngine:
         )
         self.interventions.patch_sources = patch_store
         self.interventions.model_name = str(self.model_dir)
+        if sync is not None:
+            sync.attach(self)
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -190,11 +203,17 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
         )
         self.interventions.prepare(group)  # resolves steering/capture/readouts, or raises
+        if self.sync is not None:
+            self.sync.record_request(group)
+        self._admit(group)
+
+    def _admit(self, group: RequestGroup) -> None:
+        params = group.params
         if params.seed is not None:
             for seq in group.seqs:
                 seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(params.seed + 1_000_003 * seq.index)
-        self.requests[request_id] = group
+        self.requests[group.request_id] = group
         self.interventions.add(group)
         self.scheduler.add(group)
 
@@ -208,7 +227,20 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         output = self._output(group)
         self.interventions.release(group)
+        if self.sync is not None:
+            self.sync.record("abort", request_id)
         return output
+
+    def replay(self, kind: str, payload: Any) -> None:
+        """Apply a change the driver rank of this replica made (see `distributed.py`)."""
+        if kind == "add":
+            self._admit(pickle.loads(payload))
+        elif kind == "abort":
+            self.abort(payload)
+        elif kind == "vector":
+            self.interventions.registry.replay(payload)
+        else:
+            raise ValueError(f"unknown replica change {kind!r}")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -217,12 +249,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the (cumulative) output of every request it advanced."""
-        self.interventions.apply_actions()  # issued during the previous step: applies now
+        if self.sync is None:
+            self.interventions.apply_actions()  # issued during the previous step: apply now
+        else:
+            with self.sync.lock:
+                self.interventions.apply_actions(self.sync.exchange(self))
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         plan = self.interventions.plan(sched)
         result = self.runner.execute(sched, plan)
+        if self.sync is not None:
+            result = self.sync.finish_step(self, result, plan)
         report = self.interventions.after_forward(sched, plan) if plan is not None else None
         self.scheduler.update(sched)
         self.num_steps += 1
@@ -342,6 +380,7 @@ class LLMEngine:
             capture_positions=captured[1] if captured else ([] if group.params.capture else None),
             capture_run=iv.capture_run if iv is not None else None,
             capture_error=iv.capture_error if iv is not None else None,
+            conversation_id=group.params.conversation_id,
         )
 
     # -- steering control -----------------------------------------------------------------

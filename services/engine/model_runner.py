@@ -67,6 +67,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.backend = backend or SdpaBackend()
+        self.ctx = ctx
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -143,15 +144,23 @@ class ModelRunner:
             seq_lens_host=seq_lens,
         )
         meta = self.backend.prepare(attn_inputs)
+        ctx = self.ctx
+        n = len(sched.scheduled)
+        result = StepResult([None] * n, [None] * n, [None] * n)
+        received = None
+        if not ctx.is_first_stage:  # the previous stage's residual stream, [T, H]
+            shape = (len(input_ids), self.cfg.hidden_size)
+            received = ctx.recv_from_prev_stage(shape, self.dtype, self.device)
         hidden = self.model(
             self._tensor(positions),
             meta,
-            input_ids=self._tensor(input_ids),
+            input_ids=self._tensor(input_ids) if ctx.is_first_stage else None,
+            hidden_states=received,
             interventions=interventions,
         )
-
-        n = len(sched.scheduled)
-        result = StepResult([None] * n, [None] * n, [None] * n)
+        if not ctx.is_last_stage:  # only the last stage samples
+            ctx.send_to_next_stage(hidden)
+            return result
         if logits_rows:
             logits = self.model.compute_logits(hidden[self._tensor(logits_rows)]).float()
             seqs = [sched.scheduled[i].seq for i in sample_rows]

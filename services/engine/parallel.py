@@ -42,6 +42,26 @@ class ParallelContext:
         start = self.pp_rank * base + min(self.pp_rank, extra)
         return range(start, start + base + (1 if self.pp_rank < extra else 0))
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in its replica: stages in order, TP ranks within a stage."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def send_to_next_stage(self, h: torch.Tensor) -> None:
+        """Hand this stage's residual stream `[T, H]` to the same TP rank of the next stage."""
+        dist.send(h.contiguous(), dst=self.rank + self.tp_size)
+
+    def recv_from_prev_stage(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        h = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(h, src=self.rank - self.tp_size)
+        return h
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)

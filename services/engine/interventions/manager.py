@@ -17,6 +17,7 @@ under another.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -174,6 +175,9 @@ class InterventionManager:
         self.requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
         self.patch_sources: Any = None  # a patch-source store: run sources, capture runs
         self.model_name = ""  # recorded in the manifests of runs this engine writes
+        # Only one rank of a parallel replica writes capture runs to the store.
+        self.writes_runs = True
+        self.local_layers = range(num_layers)  # the layers this process's pipeline stage runs
         self.lease_holder = f"engine-{uuid.uuid4().hex[:12]}"
         self._lease_refresh_at: dict[str, float] = {}  # run -> when its lease is renewed
         self.global_rows = {"prefill": RowContent(), "decode": RowContent()}
@@ -333,6 +337,8 @@ class InterventionManager:
         run = iv.capture.run if iv is not None and iv.capture is not None else None
         if result is None or run is None or iv is None or iv.capture_run or iv.capture_error:
             return result
+        if not self.writes_runs:
+            return result
         tensors, positions = result
         rows: dict[tuple[int, str], torch.Tensor] = {}
         for key, t in tensors.items():
@@ -381,9 +387,11 @@ class InterventionManager:
             raise InvalidRequestError(f"not a steering action: {type(action).__name__}")
         return self.queue.put(action, source)
 
-    def apply_actions(self) -> None:
-        """Drain the queue (the top of a step): each action applies or is counted rejected."""
-        for source, action in self.queue.drain():
+    def apply_actions(self, items: list[tuple[str, Action]] | None = None) -> None:
+        """Apply `items`, by default the drained queue (the top of a step): each action
+        applies or is counted rejected. A parallel replica's ranks all apply the list the
+        driver drained."""
+        for source, action in self.queue.drain() if items is None else items:
             try:
                 self._apply(action)
             except Exception as exc:  # a bad action is rejected, never fatal to the step
@@ -530,6 +538,13 @@ class InterventionManager:
             for site, layers in consumer.sites.items()
             for layer in layers
         )
+        away = sorted(site_key(*k) for k in keys if k[0] not in self.local_layers)
+        if away:
+            raise InvalidRequestError(
+                f"consumer {name!r} reads {away[:5]}, which run on another pipeline stage: a "
+                "sync consumer sees the driver stage's layers only "
+                f"({self.local_layers.start}..{self.local_layers.stop - 1})"
+            )
         self.consumers[name] = (consumer, keys)
         self.consumer_timing[name] = ConsumerTiming()
 
@@ -774,6 +789,23 @@ class InterventionManager:
                     timing.last_error = f"returned a non-action: {action!r}"
 
     # -- observability --------------------------------------------------------------------
+
+    def state_digest(self) -> bytes:
+        """A checksum of the steering state every rank of a parallel replica must share: the
+        tier/monitor environment, pool use and the applied/rejected action counts."""
+        t = self.tables
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self._prefill_env)
+        h.update(self._decode_env)
+        counts = (
+            t.request_pool.used,
+            t.dynamic_pool.used,
+            sum(self.counters.applied.values()),
+            sum(self.counters.rejected.values()),
+            self.steps,
+        )
+        h.update(repr(counts).encode())
+        return h.digest()
 
     def snapshot(self) -> dict:
         """Queue counters, pool use, active tiers and monitors, consumer timing."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,10 @@ class VectorRegistry:
         self.num_layers = num_layers
         self._entries: dict[str, NamedVector] = {}
         self._lock = threading.Lock()
+        # A parallel replica's driver mirrors every change to its other ranks: called with
+        # ("put", entry) or ("drop", name) while the change is made, under `mirror_lock`.
+        self.mirror: Callable[[tuple[str, Any]], None] | None = None
+        self.mirror_lock: AbstractContextManager = nullcontext()
 
     def register(
         self, name: str, value: Any, *, overwrite: bool = False, source: str = "api"
@@ -103,13 +108,24 @@ class VectorRegistry:
                 f"invalid vector name {name!r}: use 1-128 letters, digits or _ . : / -"
             )
         entry = self._build_entry(name, value, source)
-        with self._lock:
+        with self.mirror_lock, self._lock:
             if name in self._entries and not overwrite:
                 raise InvalidRequestError(
                     f"vector '{name}' is already registered; pass overwrite=True to replace it"
                 )
             self._entries[name] = entry
+            if self.mirror is not None:
+                self.mirror(("put", entry))
         return entry
+
+    def replay(self, change: tuple[str, Any]) -> None:
+        """Apply a change another registry mirrored (a parallel replica's driver)."""
+        op, arg = change
+        with self._lock:
+            if op == "put":
+                self._entries[arg.name] = arg
+            else:
+                self._entries.pop(arg, None)
 
     def import_file(self, name: str, path: str | Path, *, overwrite: bool = False) -> NamedVector:
         """Register `name` from a `.gguf` control vector or a `.safetensors` file of vectors."""
@@ -124,8 +140,10 @@ class VectorRegistry:
 
     def unregister(self, name: str) -> NamedVector:
         """Remove `name` and return its entry; NotFoundError (404) if it is not registered."""
-        with self._lock:
+        with self.mirror_lock, self._lock:
             entry = self._entries.pop(name, None)
+            if entry is not None and self.mirror is not None:
+                self.mirror(("drop", name))
         if entry is None:
             raise NotFoundError(f"no vector named '{name}' is registered")
         return entry

@@ -1,0 +1,266 @@
+"""One engine replica over several processes: tensor and pipeline parallelism in lock-step.
+
+Every rank runs the same `LLMEngine` (scheduler, block manager, intervention manager) over
+its shard of the model. Rank 0, the driver, is the only rank callers talk to. At the top of
+each step it broadcasts what changed since the last one: the requests it admitted (already
+resolved: steering, patch sources and captures are resolved on the driver only), aborts,
+vector-registry changes and the controller actions it drained. Every other rank replays that
+list, so all ranks make the same scheduling and steering decisions with no further talk.
+
+After the forward pass the ranks exchange what only some of them computed: the sampled
+tokens of the last stage, and each stage's captures, read-out scores and gate firings. With
+them goes a checksum of each rank's steering state (tiers, monitors, pool use, action
+counts), which must agree: a rank that drifted fails the step loudly
+(`ReplicaDivergedError`) instead of steering differently from its peers.
+
+Collectives: the model's all-reduces and the stage-to-stage hand-off use the device backend
+(gloo on CPU, NCCL on GPU); the object exchanges above use a gloo group.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from services.engine.interventions.actions import Action
+from services.engine.parallel import ParallelContext
+
+if TYPE_CHECKING:
+    from services.engine.interventions.planner import StepInterventions
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.model_runner import StepResult
+
+# Idle worker ranks wait in a broadcast until the driver's next step, which can be hours.
+IDLE_TIMEOUT = timedelta(days=7)
+
+
+class ReplicaDivergedError(RuntimeError):
+    """The ranks of one replica no longer share the same steering state."""
+
+
+class ReplicaStopped(Exception):
+    """Raised in a worker rank's step when the driver shut the replica down."""
+
+
+def init_replica(
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    device_type: str = "cpu",
+) -> tuple[ParallelContext, StepSync]:
+    """Join this process to its replica's process groups; returns its context and step sync.
+
+    Ranks are numbered stage by stage (`rank = pp_rank * tp_size + tp_rank`); every rank must
+    call this with the same sizes and `init_method` (e.g. `tcp://127.0.0.1:29500`).
+    """
+    world = tp_size * pp_size
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
+    )
+    objects = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend != "gloo" else None
+    tp_group = None
+    for stage in range(pp_size):  # every rank creates every group, in the same order
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks, timeout=IDLE_TIMEOUT) if tp_size > 1 else None
+        if rank in ranks:
+            tp_group = group
+    ctx = ParallelContext(
+        tp_rank=rank % tp_size,
+        tp_size=tp_size,
+        pp_rank=rank // tp_size,
+        pp_size=pp_size,
+        tp_group=tp_group,
+    )
+    return ctx, StepSync(ctx, objects)
+
+
+class StepSync:
+    """Keeps one replica's engines in lock-step (see the module docstring)."""
+
+    def __init__(self, ctx: ParallelContext, group: Any = None):
+        self.ctx = ctx
+        self.group = group  # the gloo group for object exchanges (None: the default group)
+        self.is_driver = ctx.rank == 0
+        self.result_rank = (ctx.pp_size - 1) * ctx.tp_size  # the last stage's first TP rank
+        # Held by the driver from the broadcast through applying the drained actions, and by
+        # anything that records a change, so no change lands between the two.
+        self.lock = threading.RLock()
+        self._outbox: list[tuple[str, Any]] = []
+        self.stopped = False
+
+    def attach(self, engine: LLMEngine) -> None:
+        """Wire an engine built with this sync: the driver mirrors registry changes; the
+        others write no capture runs (the driver does) and resolve no patch sources."""
+        iv = engine.interventions
+        iv.local_layers = engine.runner.model.layer_range
+        if self.is_driver:
+            iv.registry.mirror_lock = self.lock
+            iv.registry.mirror = lambda change: self._outbox.append(("vector", change))
+        else:
+            iv.writes_runs = False
+
+    def record(self, kind: str, payload: Any) -> None:
+        """Driver: queue a change for the other ranks' next step (a no-op elsewhere)."""
+        if self.is_driver:
+            with self.lock:
+                self._outbox.append((kind, payload))
+
+    def record_request(self, group: Any) -> None:
+        """Driver: a resolved request, pickled now so later changes to it don't travel."""
+        self.record("add", pickle.dumps(group))
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def exchange(self, engine: LLMEngine) -> list[tuple[str, Action]]:
+        """The top of a step (call under `lock`): the driver broadcasts its changes and the
+        actions it drained; other ranks replay the changes. Returns the actions to apply."""
+        box: list[Any] = [None]
+        if self.is_driver:
+            box[0] = (self._outbox, engine.interventions.queue.drain())
+            self._outbox = []
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if box[0] is None:
+            self.stopped = True
+            raise ReplicaStopped
+        changes, actions = box[0]
+        if not self.is_driver:
+            for kind, payload in changes:
+                engine.replay(kind, payload)
+        return actions
+
+    def finish_step(
+        self, engine: LLMEngine, result: StepResult, plan: StepInterventions | None
+    ) -> StepResult:
+        """After the forward: share the sampled tokens and each stage's captures, scores and
+        gate firings; check every rank's steering state matches."""
+        ctx = self.ctx
+        part: dict[str, Any] = {"digest": engine.interventions.state_digest()}
+        if ctx.rank == self.result_rank:
+            part["result"] = result
+        if plan is not None and ctx.tp_rank == 0 and ctx.pp_size > 1:
+            part["captured"] = {k: v.cpu() for k, v in plan.captured.items()}
+            part["scores"] = {k: v.cpu() for k, v in plan.scores.items()}
+            part["fired"] = plan.fired.cpu()
+        parts: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(parts, part, group=self.group)
+        digests = [p["digest"] for p in parts]
+        if len(set(digests)) > 1:
+            bad = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise ReplicaDivergedError(
+                f"ranks {bad} of this replica hold different steering state than rank 0"
+            )
+        if plan is not None:
+            for rank, p in enumerate(parts):
+                if rank == ctx.rank or "captured" not in p:
+                    continue
+                for key, rows in p["captured"].items():
+                    plan.captured.setdefault(key, rows)
+                for key, scores in p["scores"].items():
+                    plan.scores.setdefault(key, scores)
+                plan.fired |= p["fired"].to(plan.fired.device)
+        return parts[self.result_rank]["result"]
+
+    def stop(self) -> None:
+        """Driver: release the other ranks from their step loops (they raise ReplicaStopped)."""
+        if self.is_driver and not self.stopped:
+            self.stopped = True
+            dist.broadcast_object_list([None], src=0, group=self.group)
+
+
+def run_worker(engine: LLMEngine) -> None:
+    """A non-driver rank's life: step in lock-step with the driver until it stops."""
+    try:
+        while True:
+            engine.step()
+    except ReplicaStopped:
+        pass
+
+
+def launch_local(
+    model: str,
+    tp_size: int,
+    pp_size: int,
+    driver_fn: Callable[[LLMEngine], Any],
+    *,
+    engine_config: Any = None,
+    device_type: str = "cpu",
+    timeout_s: float = 600.0,
+) -> Any:
+    """Run a `tp_size × pp_size` replica in local processes and return `driver_fn(engine)`
+    evaluated on its driver rank. `driver_fn` must be picklable (a module-level function);
+    the other ranks step in lock-step until it returns. For tests and single-host scripts:
+    clusters use the Ray actors in `services/engine/actors.py`."""
+    mp = torch.multiprocessing.get_context("spawn")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    results = mp.Queue()
+    procs = [
+        mp.Process(
+            target=_local_rank,
+            args=(rank, tp_size, pp_size, init_method, device_type, model, engine_config),
+            kwargs={"driver_fn": driver_fn if rank == 0 else None, "results": results},
+            daemon=True,
+        )
+        for rank in range(tp_size * pp_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        status, value = results.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    if status != "ok":
+        raise RuntimeError(f"the replica's driver failed:\n{value}")
+    return value
+
+
+def _local_rank(
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    device_type: str,
+    model: str,
+    engine_config: Any,
+    *,
+    driver_fn: Callable[[LLMEngine], Any] | None,
+    results: Any,
+) -> None:
+    from services.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(1)  # ranks share the host's cores
+    ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type)
+    try:
+        engine = LLMEngine(model, engine_config, ctx=ctx, sync=sync)
+        if driver_fn is None:
+            run_worker(engine)
+            return
+        try:
+            results.put(("ok", driver_fn(engine)))
+        except BaseException:
+            results.put(("error", traceback.format_exc()))
+        finally:
+            sync.stop()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
