@@ -170,6 +170,47 @@ def cmd_patch_store_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start the local cluster and print where everything is."""
+    from services.cluster.local import UpOptions, up
+
+    model = "tiny" if args.tiny or not args.model else args.model
+    info = up(
+        UpOptions(
+            model=model,
+            tp=args.tp,
+            pp=args.pp,
+            replicas=args.replicas,
+            device=args.device,
+            dtype=args.dtype,
+            host=args.host,
+            http_port=args.port,
+            grpc_port=args.grpc_port,
+            redis_url=args.redis_url,
+            api_keys_file=args.api_keys_file,
+            num_cpus=args.num_cpus,
+        )
+    )
+    print(f"coxswain is up: model {info['model']}")
+    for name in ("http", "openapi", "dashboard", "metrics", "grpc", "redis"):
+        print(f"  {name:10s} {info[name]}")
+    print(f"  {'controller':10s} {'running' if info['controller'] else 'not installed'}")
+    if info["api_keys"]:
+        print(f"  API keys (also in {info['api_keys_file']}):")
+        for scope, key in info["api_keys"].items():
+            print(f"    {scope:6s} {key}")
+    print("stop it with: coxswain down")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from services.cluster.local import down
+
+    stopped = down()
+    print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coxswain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,6 +265,24 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--max-message-mb", type=float, default=64.0, help="gRPC message limit, MiB")
     ps.add_argument("--metrics-port", type=int, default=None, help="serve prometheus metrics")
     ps.set_defaults(func=cmd_patch_store_serve)
+
+    upp = sub.add_parser("up", help="start the whole cluster locally (Redis, Ray, Serve)")
+    which = upp.add_mutually_exclusive_group()
+    which.add_argument("--model", help="a local Hugging Face checkpoint directory")
+    which.add_argument("--tiny", action="store_true", help="the embedded tiny model (default)")
+    upp.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    upp.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
+    upp.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    upp.add_argument("--device", default="auto")
+    upp.add_argument("--dtype", default="auto")
+    upp.add_argument("--host", default="127.0.0.1")
+    upp.add_argument("--port", type=int, default=8000, help="HTTP port")
+    upp.add_argument("--grpc-port", type=int, default=50051)
+    upp.add_argument("--redis-url", default=None, help="default: reuse or start a local one")
+    upp.add_argument("--api-keys-file", default=None, help="default: generate keys")
+    upp.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule")
+    upp.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop what `coxswain up` started").set_defaults(func=cmd_down)
     return parser
 
 

@@ -1,0 +1,160 @@
+"""An engine replica as a group of Ray actors, one per tensor/pipeline-parallel rank.
+
+Rank 0 hosts the `EngineService` callers talk to; the other ranks step in lock-step with it
+(`services/engine/distributed.py`). The group starts in two phases so ranks may sit on
+different nodes: rank 0 names a free port on its own node, then every rank joins the
+process group there. Any rank dying breaks the replica; `EngineReplica.check()` raises then,
+and whoever owns the replica (the Serve deployment) replaces the whole group.
+
+Ray is imported only when a replica is built.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.common.errors import ServiceUnavailableError
+
+
+class EngineRank:
+    """One rank's process: its shard of the model and its copy of the engine state."""
+
+    def __init__(self, rank: int, tp_size: int, pp_size: int):
+        self.rank, self.tp_size, self.pp_size = rank, tp_size, pp_size
+        self.service: Any = None
+        self._worker: threading.Thread | None = None
+
+    def address(self) -> str:
+        """A `tcp://ip:port` on this rank's node for the replica's process group."""
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def start(
+        self,
+        init_method: str,
+        model: str,
+        engine_config: dict,
+        model_id: str,
+        patch_store_address: str | None = None,
+    ) -> bool:
+        """Join the replica and build this rank's engine (blocks until every rank joined)."""
+        from services.engine.async_llm import AsyncLLM
+        from services.engine.config import EngineConfig
+        from services.engine.distributed import init_replica, run_worker
+        from services.engine.llm_engine import LLMEngine
+        from services.engine.model_runner import resolve_device_dtype
+        from services.engine.service import EngineService
+
+        config = EngineConfig(**engine_config)
+        device, _ = resolve_device_dtype(config.device, config.dtype)
+        ctx, sync = init_replica(self.rank, self.tp_size, self.pp_size, init_method, device.type)
+        store = None
+        if patch_store_address and sync.is_driver:  # only the driver resolves sources
+            from services.patch_store.client import PatchStoreClient
+
+            store = PatchStoreClient(patch_store_address)
+        engine = LLMEngine(model, config, ctx=ctx, patch_store=store, sync=sync)
+        if sync.is_driver:
+            self.service = EngineService(AsyncLLM(engine=engine), model_id=model_id)
+        else:
+            self._worker = threading.Thread(target=run_worker, args=(engine,), daemon=True)
+            self._worker.start()
+        return True
+
+    def alive(self) -> bool:
+        return self._worker is None or self._worker.is_alive()
+
+    # -- rank 0: the EngineService, method by method ----------------------------------------
+
+    async def generate(self, prompt: Any, params: Any, request_id: str | None = None):
+        async for out in self.service.generate(prompt, params, request_id):
+            yield out
+
+    async def patch_sweep(self, spec: Any):
+        async for item in self.service.patch_sweep(spec):
+            yield item
+
+    async def apply(self, fn: Any, *args: Any) -> Any:
+        """`fn(service, *args)` on this rank's EngineService (awaited if a coroutine)."""
+        result = fn(self.service, *args)
+        if hasattr(result, "__await__"):
+            result = await result
+        return result
+
+
+class EngineReplica:
+    """Starts and watches the rank actors of one replica; `driver` is rank 0's handle."""
+
+    def __init__(
+        self,
+        model: str,
+        engine_config: dict,
+        *,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        model_id: str | None = None,
+        patch_store_address: str | None = None,
+        num_gpus_per_rank: float = 0,
+        num_cpus_per_rank: float = 0,
+    ):
+        import ray
+
+        world = tp_size * pp_size
+        cls = ray.remote(EngineRank)
+        self.ranks = [
+            cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank).remote(
+                rank, tp_size, pp_size
+            )
+            for rank in range(world)
+        ]
+        init_method = ray.get(self.ranks[0].address.remote())
+        ray.get(
+            [
+                r.start.remote(
+                    init_method, model, engine_config, model_id or model, patch_store_address
+                )
+                for r in self.ranks
+            ]
+        )
+        self.driver = self.ranks[0]
+
+    def check(self) -> None:
+        """Raise ServiceUnavailableError unless every rank is alive and stepping."""
+        import ray
+
+        try:
+            alive = ray.get([r.alive.remote() for r in self.ranks], timeout=30)
+        except Exception as exc:
+            raise ServiceUnavailableError(f"an engine rank is gone: {exc}") from exc
+        if not all(alive):
+            dead = [i for i, a in enumerate(alive) if not a]
+            raise ServiceUnavailableError(f"engine ranks {dead} stopped stepping")
+
+    async def generate(self, prompt: Any, params: Any, request_id: str | None) -> AsyncIterator:
+        async for ref in self.driver.generate.options(num_returns="streaming").remote(
+            prompt, params, request_id
+        ):
+            yield await ref
+
+    async def patch_sweep(self, spec: Any) -> AsyncIterator:
+        async for ref in self.driver.patch_sweep.options(num_returns="streaming").remote(spec):
+            yield await ref
+
+    async def apply(self, fn: Any, *args: Any) -> Any:
+        """`fn(service, *args)` on the driver's EngineService."""
+        return await self.driver.apply.remote(fn, *args)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r)
