@@ -3,12 +3,24 @@ PY ?= python3
 
 .PHONY: setup demo test lint proto gpu-test device-wheels
 
+# System packages: redis-server (the controller and `coxswain up`; tests start their own) and
+# chromium (the dashboard's browser test), from Debian when missing and we may install them.
 setup:
+	@missing=""; command -v redis-server >/dev/null || missing="redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		else echo "please install: $$missing (e.g. sudo apt-get install -y $$missing)"; fi; \
+	fi
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[dev]"
 
+# The local cluster (Redis, Ray, Serve gateway + engine, patch store, controller) on the
+# embedded tiny model, then a tour of it over HTTP and gRPC; `coxswain down` stops it.
 demo: setup
-	coxswain demo
+	coxswain up --tiny --device cpu
+	coxswain demo --cluster
 
 test:
 	$(PY) -m pytest -q tests/unit tests/integration tests/e2e

@@ -98,7 +98,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Build the embedded tiny model if needed and serve a mixed batch through the engine."""
+    """Build the embedded tiny model if needed and serve a mixed batch through the engine;
+    with --cluster, tour the running local cluster (`coxswain up`) over HTTP and gRPC."""
+    if args.cluster:
+        from services.cluster.demo import run_demo
+        from services.cluster.local import running_cluster
+
+        info = running_cluster()
+        if info is None:
+            raise CoxswainError("no local cluster is running: start one with `coxswain up`")
+        run_demo(info)
+        return 0
     from services.engine import LLM, SamplingParams
     from services.engine.model.tiny import make_tiny_checkpoint
 
@@ -191,7 +201,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             num_cpus=args.num_cpus,
         )
     )
-    print(f"coxswain is up: model {info['model']}")
+    already = " (already running)" if info.get("already_running") else ""
+    print(f"coxswain is up{already}: model {info['model']}")
     for name in ("http", "openapi", "dashboard", "metrics", "grpc", "redis"):
         print(f"  {name:10s} {info[name]}")
     print(f"  {'controller':10s} {'running' if info['controller'] else 'not installed'}")
@@ -252,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build the embedded tiny model and serve a batch")
     demo.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
     demo.add_argument("--model-dir", default=None)
+    demo.add_argument("--cluster", action="store_true", help="tour the running local cluster")
     _add_engine_args(demo)
     demo.set_defaults(func=cmd_demo)
 

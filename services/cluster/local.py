@@ -116,6 +116,9 @@ def up(opts: UpOptions) -> dict[str, Any]:
 
     if opts.tp < 1 or opts.pp < 1 or opts.replicas < 1:
         raise InvalidRequestError("--tp, --pp and --replicas must be >= 1")
+    running = running_cluster()
+    if running is not None:
+        return {**running, "already_running": True}
     state: dict[str, Any] = {}
     redis_url = opts.redis_url or "redis://127.0.0.1:6379/0"
     if not _redis_reachable(redis_url):
@@ -207,6 +210,22 @@ def _wait_healthy(url: str, timeout_s: float = 300) -> None:
             last = repr(exc)
         time.sleep(0.5)
     raise ServiceUnavailableError(f"the gateway did not become healthy at {url}: {last}")
+
+
+def running_cluster() -> dict[str, Any] | None:
+    """What `up` printed, if the cluster it started still answers its health check."""
+    import httpx
+
+    path = CLUSTER_DIR / "state.json"
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text())
+    try:
+        if httpx.get(info["http"] + "/health", timeout=2).status_code == 200:
+            return info
+    except httpx.HTTPError:
+        pass
+    return None
 
 
 def down() -> list[str]:

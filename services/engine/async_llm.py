@@ -97,10 +97,16 @@ class AsyncLLM:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request now; its stream (if anyone still reads it) ends with the aborted
+        final output, so a caller aborting another caller's request never leaves it waiting."""
         with self._lock:
-            self._deliver.pop(request_id, None)
-            if request_id in self.engine.requests:
-                self.engine.abort(request_id)
+            deliver = self._deliver.pop(request_id, None)
+            final = self.engine.abort(request_id) if request_id in self.engine.requests else None
+        if deliver is not None and final is not None:
+            try:
+                deliver(final)
+            except Exception:
+                log.exception("delivering the aborted output of %s failed", request_id)
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(outputs)` in the engine thread after every step that produced

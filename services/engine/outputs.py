@@ -43,3 +43,6 @@ class RequestOutput:
     # With capture sink "patch_store": the run the captures were written to, or why not.
     capture_run: str | None = None
     capture_error: str | None = None
+    # `SamplingParams.conversation_id`, echoed so output listeners (the async controller's
+    # read-out publisher) can tie a request to its conversation after it has finished.
+    conversation_id: str | None = None

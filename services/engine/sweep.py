@@ -6,19 +6,23 @@ corrupt control to the engine at once so they share one continuous batch (and th
 prompt's prefix blocks before each cell's patched position). Cells are graded with the
 exact logprobs of an answer token and an optional foil.
 
-The sweep drives `engine.step()` itself, so the engine must have no other unfinished
-requests when it starts (InvalidRequestError otherwise). Outputs of requests someone adds
-while it runs are kept in `Sweep.foreign_outputs`, never dropped.
+How the sweep's requests run is its driver's business. By default (`StepDriver`) the sweep
+drives `engine.step()` itself, so the engine must have no other unfinished requests when it
+starts (InvalidRequestError otherwise); outputs of requests someone adds while it runs are
+kept in `Sweep.foreign_outputs`, never dropped. In a served engine, `AsyncLLMDriver` adds
+them through `AsyncLLM.submit` as ordinary traffic, batched with everyone else's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import queue
 import uuid
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -27,6 +31,9 @@ from services.engine.interventions.sites import parse_site, site_key
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.async_llm import AsyncLLM
 
 Metric = Literal["logprob", "logit_diff", "recovered"]
 
@@ -117,13 +124,121 @@ def clean_position(alignment: dict[str, Any], p: int) -> int | None:
     return p + alignment["offset"]
 
 
+Final = tuple[str, RequestOutput | str]  # (request id, final output or why there is none)
+
+
+class SweepDriver(Protocol):
+    """How a sweep's requests reach an engine and their final outputs come back."""
+
+    def start(self) -> None:
+        """Check the engine can take the sweep now (raises InvalidRequestError if not)."""
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue one request; bad input raises a CoxswainError and queues nothing."""
+
+    def finals(self, pending: set[str]) -> Iterator[Final]:
+        """Block until each of `pending` (emptied as they come) finishes; yield each once."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request the sweep no longer wants (a no-op if it already finished)."""
+
+    def interrupt(self) -> None:
+        """Make a blocked `finals()` stop soon, raising CoxswainError (from another thread)."""
+
+
+class StepDriver:
+    """Steps a bare `LLMEngine` itself: the engine must be otherwise idle."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.foreign_outputs: list[RequestOutput] = []
+
+    def start(self) -> None:
+        if self.engine.has_unfinished_requests():
+            raise InvalidRequestError(
+                f"the engine has {len(self.engine.requests)} unfinished requests: a sweep steps "
+                "the engine itself and needs it to itself"
+            )
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt_ids, params)
+
+    def finals(self, pending: set[str]) -> Iterator[Final]:
+        engine = self.engine
+        while pending:
+            for rid in [r for r in pending if r not in engine.requests]:
+                pending.discard(rid)  # aborted by someone else: no output will come
+                yield rid, "the request was aborted before it finished"
+            if not pending:
+                return
+            for out in engine.step():
+                if out.request_id in pending:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                        yield out.request_id, out
+                elif out.finished:
+                    self.foreign_outputs.append(out)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.engine.requests:
+            self.engine.abort(request_id)
+
+    def interrupt(self) -> None:
+        pass  # finals() returns after the step in progress: it never waits on anyone else
+
+
+class AsyncLLMDriver:
+    """Runs a sweep as ordinary traffic of a served engine: requests go in through
+    `AsyncLLM.submit`, finals come back through its delivery callbacks (engine thread) into a
+    queue that `finals()` reads in the sweep's thread. Other requests keep running alongside.
+    A request someone else aborts still delivers its (aborted) final, so none is waited on
+    forever; `interrupt()` ends the wait from outside (a cancelled client, a shutdown)."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+        self._finals: queue.Queue[Final | None] = queue.Queue()
+
+    def start(self) -> None:
+        pass
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        def deliver(item: RequestOutput | BaseException) -> None:
+            if isinstance(item, BaseException):
+                self._finals.put((request_id, f"{type(item).__name__}: {item}"))
+            elif item.finished:
+                self._finals.put((request_id, item))
+
+        self.llm.submit(request_id, prompt_ids, params, deliver)
+
+    def finals(self, pending: set[str]) -> Iterator[Final]:
+        while pending:
+            item = self._finals.get()
+            if item is None:
+                raise CoxswainError("the sweep was interrupted")
+            rid, out = item
+            if rid in pending:
+                pending.discard(rid)
+                yield rid, out
+
+    def abort(self, request_id: str) -> None:
+        self.llm.abort(request_id)
+
+    def interrupt(self) -> None:
+        self._finals.put(None)
+
+
 class Sweep:
     """A causal-tracing sweep over one engine; `run()` for the whole grid, `iter_cells()` /
-    `cells()` to stream cells as they finish. A Sweep runs once."""
+    `cells()` to stream cells as they finish. A Sweep runs once.
 
-    def __init__(self, engine: LLMEngine, spec: SweepSpec):
+    `driver` decides how its requests run: `StepDriver(engine)` (the default) steps an
+    otherwise idle engine; `AsyncLLMDriver(llm)` sends them through a served engine's
+    `AsyncLLM` (pass `llm.engine` as `engine`: it is read for validation only).
+    """
+
+    def __init__(self, engine: LLMEngine, spec: SweepSpec, driver: SweepDriver | None = None):
         self.engine, self.spec = engine, spec
-        self.foreign_outputs: list[RequestOutput] = []
+        self.driver: SweepDriver = driver or StepDriver(engine)
         self._tag = f"sweep-{uuid.uuid4().hex[:8]}"
         self._started = False
         self._validate()
@@ -260,22 +375,10 @@ class Sweep:
         ids = [self.answer] if self.foil is None else [self.answer, self.foil]
         return SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=ids, **kw)
 
-    def _drive(self, pending: set[str]) -> Iterator[tuple[str, RequestOutput | str]]:
-        """Step while any of `pending` is unfinished; yield (id, final output or error)."""
-        engine = self.engine
-        while pending:
-            for rid in [r for r in pending if r not in engine.requests]:
-                pending.discard(rid)  # aborted by someone else: no output will come
-                yield rid, "the request was aborted before it finished"
-            if not pending:
-                return
-            for out in engine.step():
-                if out.request_id in pending:
-                    if out.finished:
-                        pending.discard(out.request_id)
-                        yield out.request_id, out
-                elif out.finished:
-                    self.foreign_outputs.append(out)
+    @property
+    def foreign_outputs(self) -> list[RequestOutput]:
+        """Final outputs of other requests that finished while this sweep stepped the engine."""
+        return getattr(self.driver, "foreign_outputs", [])
 
     def _grade(self, out: RequestOutput | str) -> tuple[float, float | None] | str:
         """(logprob of answer, of foil) from a finished request, or why there are none."""
@@ -295,7 +398,7 @@ class Sweep:
     def _baselines(self) -> None:
         """Run the clean prompt (capturing rows when it is the source) and the corrupt prompt
         alone; sets the baseline metrics and the clean rows."""
-        engine, spec = self.engine, self.spec
+        spec = self.spec
         adds: dict[str, tuple[list[int], SamplingParams]] = {
             f"{self._tag}-corrupt": (self.corrupt_ids, self._params())
         }
@@ -305,8 +408,8 @@ class Sweep:
                 capture = {"sites": {s: self.layers for s in self.sites}, "positions": "all_prompt"}
             adds[f"{self._tag}-clean"] = (self.clean_ids, self._params(capture=capture))
         for rid, (ids, params) in adds.items():
-            engine.add_request(rid, ids, params)
-        done = dict(self._drive(set(adds)))
+            self.driver.add(rid, ids, params)
+        done = dict(self.driver.finals(set(adds)))
         results = {}
         for rid, out in done.items():
             graded = self._grade(out)
@@ -359,18 +462,13 @@ class Sweep:
         if self._started:
             raise InvalidRequestError("this sweep has already run")
         self._started = True
-        engine = self.engine
-        if engine.has_unfinished_requests():
-            raise InvalidRequestError(
-                f"the engine has {len(engine.requests)} unfinished requests: a sweep steps the "
-                "engine itself and needs it to itself"
-            )
+        self.driver.start()
         self.cells_done: list[Cell] = []
         ours: set[str] = set()
         try:
             self._baselines()
             control = f"{self._tag}-control"
-            engine.add_request(control, self.corrupt_ids, self._params())
+            self.driver.add(control, self.corrupt_ids, self._params())
             ours.add(control)
             by_id: dict[str, Cell] = {}
             for s in self.sites:
@@ -382,7 +480,7 @@ class Sweep:
                         cell, rid = Cell(L, s, p), f"{self._tag}-{L}.{s}.{p}"
                         try:
                             params = self._params(patch=[self._patch_entry(L, s, p, q)])
-                            engine.add_request(rid, self.corrupt_ids, params)
+                            self.driver.add(rid, self.corrupt_ids, params)
                         except CoxswainError as exc:
                             cell.void = f"{type(exc).__name__}: {exc}"
                             self.cells_done.append(cell)
@@ -390,7 +488,7 @@ class Sweep:
                             continue
                         by_id[rid] = cell
                         ours.add(rid)
-            for rid, out in self._drive(set(ours)):
+            for rid, out in self.driver.finals(set(ours)):
                 ours.discard(rid)
                 graded = self._grade(out)
                 if rid == control:
@@ -408,18 +506,27 @@ class Sweep:
                 yield cell
         finally:
             for rid in ours:
-                if rid in engine.requests:
-                    engine.abort(rid)
+                self.driver.abort(rid)
 
-    async def cells(self) -> AsyncIterator[Cell]:
-        """`iter_cells()` with each engine step taken in a worker thread (don't use the
-        engine from elsewhere while it runs)."""
+    async def cells(self) -> AsyncGenerator[Cell, None]:
+        """`iter_cells()` run in a worker thread (with the default driver, don't use the
+        engine from elsewhere while it runs). Cancelling the consumer aborts the sweep."""
         it = self.iter_cells()
         done = object()
+        running: asyncio.Future | None = None
         try:
-            while (cell := await asyncio.to_thread(next, it, done)) is not done:
+            while True:
+                running = asyncio.ensure_future(asyncio.to_thread(next, it, done))
+                cell = await asyncio.shield(running)  # a cancel must not orphan the thread
+                running = None
+                if cell is done:
+                    return
                 yield cell  # type: ignore[misc]
         finally:
+            if running is not None:  # cancelled mid-wait: stop the thread before closing
+                self.driver.interrupt()
+                with contextlib.suppress(Exception):
+                    await running
             it.close()
 
     def run(self) -> SweepResult:

@@ -94,10 +94,18 @@ def _unwrap(exc: BaseException) -> BaseException:
 # -- functions run against a replica's EngineService (by `Engine.call`) ------------------------
 
 
-def _check_global(service: Any, spec: Any) -> None:
-    from services.engine.interventions.spec import parse_steering
+def _check_global(service: Any, spec: Any, vectors: dict[str, Any]) -> None:
+    """Check a global spec as every replica will see it: against the cluster's registry
+    (`vectors`, which this replica may not have reconciled yet), not its own."""
+    from services.engine.interventions.manager import resolve_global
+    from services.engine.interventions.resolve import Resolver
+    from services.engine.interventions.vectors import VectorRegistry
 
-    service.llm.call(lambda e: e.interventions.check_global(parse_steering(spec)))
+    card = service.model_card()
+    registry = VectorRegistry(card["hidden_size"], card["num_layers"])
+    for name, (_, value) in vectors.items():
+        registry.register(name, value)
+    resolve_global(Resolver(card["num_layers"], card["hidden_size"], registry), spec)
 
 
 def _check_vector(service: Any, name: str, value: Any) -> dict:
@@ -126,6 +134,7 @@ class EngineDeployment:
         store_address = _patch_store_address()
         self.service: Any = None
         self.replica: Any = None
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         model_id = a.model_id or Path(model_dir).name
         if a.tp * a.pp == 1:
             from services.engine.service import EngineService
@@ -164,8 +173,7 @@ class EngineDeployment:
         if redis_url:
             from services.controller.engine_link import EngineLink
 
-            replica_id = serve.get_replica_context().replica_id.unique_id
-            self.link = EngineLink(self.service.llm, redis_url, replica_id)
+            self.link = EngineLink(self.service.llm, redis_url, self.replica_id)
 
     async def _apply(self, fn: Any, *args: Any) -> Any:
         if self.replica is not None:
@@ -189,8 +197,13 @@ class EngineDeployment:
         return await self._apply(fn, *args)
 
     async def admin_version(self) -> dict:
+        """Which cluster-state version this replica has applied (and the replica's id)."""
         r = self.reconciler
-        return {"applied_version": r.version, "last_error": r.last_error}
+        return {
+            "replica": self.replica_id,
+            "applied_version": r.version,
+            "last_error": r.last_error,
+        }
 
     def check_health(self) -> None:
         """Serve calls this periodically: raising replaces the replica (and its ranks)."""
@@ -239,7 +252,11 @@ class RemoteEngine:
 
     @staticmethod
     def _result(response: Any) -> Any:
+        import ray
+
         try:
+            if isinstance(response, ray.ObjectRef):  # an actor call (the cluster state)
+                return ray.get(response, timeout=60)
             return response.result()
         except BaseException as exc:
             raise _unwrap(exc) from None
@@ -294,7 +311,8 @@ class RemoteEngine:
     # -- admin: checked on a replica, recorded for all -----------------------------------------
 
     async def set_global_steering(self, spec: Any) -> dict:
-        await self._await(self.handle.call.remote(_check_global, spec))
+        desired = await self._await(self.state.desired.remote())
+        await self._await(self.handle.call.remote(_check_global, spec, desired["vectors"]))
         version = await self._await(self.state.set_global.remote(spec))
         return {**await self._state(), "cluster_version": version, "global_spec": spec}
 

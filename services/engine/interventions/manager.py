@@ -140,6 +140,14 @@ class _Counters:
     last_rejection: dict[str, str] = field(default_factory=dict)
 
 
+def resolve_global(resolver: Resolver, spec: Any) -> ResolvedSteering | None:
+    """Engine-wide steering (vectors only) resolved by `resolver`, or InvalidRequestError."""
+    parsed = parse_steering(spec)
+    if parsed is not None and (parsed.gates or parsed.abort_when):
+        raise InvalidRequestError("global steering takes `vectors` only (no gates/aborts)")
+    return resolver.steering(parsed) if parsed else None
+
+
 class InterventionManager:
     """Everything the engine knows about interventions; driven from the step thread only
     (`submit` is the one method safe to call from other threads)."""
@@ -185,6 +193,10 @@ class InterventionManager:
         self.dynamic_gain = 1.0
         self.num_waits_for_rows = 0  # admissions deferred because a pool was full
         self.num_probe_aborts = 0
+        # Declarative gates, per (layer, site): decode tokens they were evaluated on, and
+        # how many of those they fired on (the dashboard's firing rates).
+        self.gate_tokens: Counter[SiteKey] = Counter()
+        self.gate_fired: Counter[SiteKey] = Counter()
         self.steps = 0
         self._prefill_env = b""
         self._decode_env = b""
@@ -363,10 +375,7 @@ class InterventionManager:
 
     def check_global(self, spec: Any) -> ResolvedSteering | None:
         """Resolve engine-wide steering (vectors only); InvalidRequestError on bad input."""
-        parsed = parse_steering(spec)
-        if parsed is not None and (parsed.gates or parsed.abort_when):
-            raise InvalidRequestError("global steering takes `vectors` only (no gates/aborts)")
-        return self.resolver.steering(parsed) if parsed else None
+        return resolve_global(self.resolver, spec)
 
     def _set_global(self, spec: Any) -> None:
         """Install engine-wide steering (the step thread only: it writes the tables)."""
@@ -727,18 +736,26 @@ class InterventionManager:
                 elif probe.fires(value) and report.aborts[i] is None:
                     report.aborts[i] = probe.name
                     self.num_probe_aborts += 1
-        latching = [
-            (s, span, iv.decode_content.latching_bits)
+        gated = [
+            (s, span, iv.decode_content)
             for s, span in zip(sched.scheduled, spans, strict=True)
-            if (iv := s.seq.group.interventions) is not None
+            if (iv := s.seq.group.interventions) is not None and iv.decode_content.gates
         ]
-        if any(bits for _, _, bits in latching):
+        if gated:
             fired = step.fired.cpu().tolist()
-            for s, (start, count), latch_bits in latching:
+            for s, (start, count), content in gated:
+                # Gates act on decode tokens only: the span's tail past the prompt.
+                n_dec = count - max(0, min(count, s.seq.num_prompt_tokens - s.start))
+                if n_dec <= 0:
+                    continue
+                tokens = fired[start + count - n_dec : start + count]
                 bits = 0
-                for f in fired[start : start + count]:
+                for f in tokens:
                     bits |= f
-                s.seq.latched |= bits & latch_bits  # per sample: n > 1 samples latch apart
+                s.seq.latched |= bits & content.latching_bits  # n > 1 samples latch apart
+                for key, gate in content.gates.items():
+                    self.gate_tokens[key] += n_dec
+                    self.gate_fired[key] += sum((f >> gate.bit) & 1 for f in tokens)
         if self.consumers:
             self._run_consumers(sched, step, spans)
         return report
@@ -838,4 +855,8 @@ class InterventionManager:
             ),
             "consumers": {name: tm.as_dict() for name, tm in self.consumer_timing.items()},
             "probe_aborts": self.num_probe_aborts,
+            "gate_firing": {
+                site_key(*k): {"tokens": n, "fired": self.gate_fired[k]}
+                for k, n in sorted(self.gate_tokens.items())
+            },
         }

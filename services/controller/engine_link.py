@@ -1,0 +1,333 @@
+"""The engine's end of the async controller: read-outs out to Redis, actions back in.
+
+`EngineLink` attaches to an `AsyncLLM`. After every engine step its listener turns the new
+tokens' read-outs into small entries in a bounded in-memory buffer (nothing else: the step
+never waits on Redis). A flusher thread XADDs them to the read-out stream; a drainer thread
+pops this replica's action queue and hands each action to `engine.submit_action`, so it
+applies at the top of the next step. When Redis is down both threads back off and retry;
+the buffer keeps the newest entries and counts the ones it had to drop as lost.
+
+Which requests are published: every token of a request that asked for `readouts`; for a
+request with a `conversation_id` but no read-outs, its first token and its finish, so the
+latch policy sees the conversation's later requests start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from services.common.errors import InvalidRequestError
+from services.controller.connection import REDIS_DOWN, REDIS_ERRORS, Backoff, connect
+from services.controller.messages import (
+    ACTION_SOURCE_PREFIX,
+    READOUT_STREAM,
+    ReadoutEntry,
+    action_queue_key,
+    decode_action,
+    encode_entry,
+)
+from services.engine.async_llm import AsyncLLM
+from services.engine.outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger(__name__)
+
+# (request id, sample index) -> tokens already published, for requests still running. A
+# request aborted by its caller never reports a final output, so the map is bounded.
+_MAX_TRACKED_SAMPLES = 65_536
+
+
+class EngineLink:
+    """Publishes an engine replica's read-outs to Redis and feeds it the controller's actions.
+
+    `buffer_size` bounds the entries waiting for Redis (overflow drops the oldest: a control
+    loop wants fresh read-outs more than stale ones); the stream is trimmed to about
+    `stream_maxlen` entries. `block_s` is how long the drainer's BRPOP waits, and so about
+    how long `close()` takes.
+    """
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        redis_url: str,
+        replica_id: str,
+        *,
+        stream: str = READOUT_STREAM,
+        stream_maxlen: int = 100_000,
+        buffer_size: int = 8192,
+        batch_size: int = 512,
+        block_s: float = 0.25,
+        backoff_max_s: float = 2.0,
+    ) -> None:
+        if not replica_id:
+            raise InvalidRequestError("an engine link needs a non-empty replica id")
+        if buffer_size < 1 or batch_size < 1 or stream_maxlen < 1:
+            raise InvalidRequestError("buffer_size, batch_size and stream_maxlen must be >= 1")
+        self.llm, self.redis_url, self.replica_id = llm, redis_url, replica_id
+        self.stream, self.stream_maxlen = stream, stream_maxlen
+        self.buffer_size, self.batch_size, self.block_s = buffer_size, batch_size, block_s
+        self.queue_key = action_queue_key(replica_id)
+        self._backoff_max_s = backoff_max_s
+
+        self._buffer: deque[ReadoutEntry] = deque()
+        self._lock = threading.Lock()  # the buffer and every counter below
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._published_upto: OrderedDict[tuple[str, int], int] = OrderedDict()  # engine thread
+
+        self.produced = self.published = self.lost = self.publish_errors = 0
+        self.received = self.submitted = self.malformed = self.dropped = 0
+        self.reconnects = 0
+        self.last_error: str | None = None
+        self.last_rejection: str | None = None
+        self._down = {"flusher": False, "drainer": False}
+
+        llm.add_listener(self._on_outputs)
+        self._threads = [
+            threading.Thread(target=self._flush_loop, name=f"link-flush-{replica_id}", daemon=True),
+            threading.Thread(target=self._drain_loop, name=f"link-drain-{replica_id}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: Sequence[RequestOutput]) -> None:
+        """The AsyncLLM listener: buffer this step's new entries, never touching Redis."""
+        if self._stop.is_set():
+            return
+        entries: list[ReadoutEntry] = []
+        for out in outputs:
+            for sample in out.outputs:
+                entries.extend(self._new_entries(out, sample))
+        if not entries:
+            return
+        with self._lock:
+            self.produced += len(entries)
+            self._buffer.extend(entries)
+            overflow = len(self._buffer) - self.buffer_size
+            for _ in range(max(0, overflow)):  # the oldest go first
+                self._buffer.popleft()
+            self.lost += max(0, overflow)
+        self._wake.set()
+
+    def _new_entries(self, out: RequestOutput, sample: CompletionOutput) -> list[ReadoutEntry]:
+        key = (out.request_id, sample.index)
+        done = self._published_upto.get(key, 0)
+        n = len(sample.token_ids)
+        if sample.readouts is not None:
+            upto = n
+        elif out.conversation_id is not None and sample.index == 0:
+            upto = min(n, 1)  # only its start (and its finish, below)
+        else:
+            return []
+        finish = sample.finish_reason
+        entries = [
+            ReadoutEntry(
+                replica=self.replica_id,
+                request_id=out.request_id,
+                sample=sample.index,
+                token=i,
+                scores=dict(sample.readouts[i])
+                if sample.readouts is not None and i < len(sample.readouts)
+                else {},
+                conversation_id=out.conversation_id,
+                finish_reason=finish if i == n - 1 else None,
+            )
+            for i in range(done, upto)
+        ]
+        if finish is not None:
+            if not entries or entries[-1].finish_reason is None:  # no token carried it
+                entries.append(
+                    ReadoutEntry(
+                        replica=self.replica_id,
+                        request_id=out.request_id,
+                        sample=sample.index,
+                        token=None,
+                        conversation_id=out.conversation_id,
+                        finish_reason=finish,
+                    )
+                )
+            self._published_upto.pop(key, None)
+        elif upto > done:
+            self._published_upto[key] = upto
+            self._published_upto.move_to_end(key)
+            if len(self._published_upto) > _MAX_TRACKED_SAMPLES:
+                self._published_upto.popitem(last=False)
+        return entries
+
+    # -- background threads --------------------------------------------------------------
+
+    def _flush_loop(self) -> None:
+        client = connect(self.redis_url)
+        backoff = Backoff(self._stop, max_s=self._backoff_max_s)
+        while not self._stop.is_set():
+            self._wake.wait(timeout=self.block_s)
+            self._wake.clear()
+            while not self._stop.is_set() and self._flush_batch(client):
+                backoff.reset()
+            if self._down["flusher"] and backoff.wait():
+                return
+
+    def _flush_batch(self, client: redis.Redis) -> bool:
+        """XADD one batch; False when the buffer was empty or Redis failed."""
+        with self._lock:
+            batch = [self._buffer.popleft() for _ in range(min(self.batch_size, len(self._buffer)))]
+        if not batch:
+            return False
+        try:
+            pipe = client.pipeline(transaction=False)
+            for entry in batch:
+                fields: Any = encode_entry(entry)
+                pipe.xadd(self.stream, fields, maxlen=self.stream_maxlen, approximate=True)
+            pipe.execute()
+        except REDIS_DOWN as e:
+            self._failed("flusher", e)
+            self._requeue(batch)
+            return False
+        except Exception as e:  # e.g. WRONGTYPE (the key holds something else): unwritable
+            if not isinstance(e, redis.ResponseError):
+                log.exception("replica %s: publishing read-outs failed", self.replica_id)
+            self._failed("flusher", e)
+            with self._lock:
+                self.lost += len(batch)
+            return False
+        self._succeeded("flusher")
+        with self._lock:
+            self.published += len(batch)
+        return True
+
+    def _requeue(self, batch: list[ReadoutEntry]) -> None:
+        """Put an unsent batch back in front of newer entries, dropping the oldest on overflow."""
+        with self._lock:
+            room = self.buffer_size - len(self._buffer)
+            keep = batch[len(batch) - room :] if room < len(batch) else batch
+            self.lost += len(batch) - len(keep)
+            self._buffer.extendleft(reversed(keep))
+
+    def _drain_loop(self) -> None:
+        client = connect(self.redis_url, block_s=self.block_s)
+        backoff = Backoff(self._stop, max_s=self._backoff_max_s)
+        while not self._stop.is_set():
+            try:
+                popped: Any = client.brpop([self.queue_key], timeout=self.block_s)
+                raws = [popped[1]] if popped else []
+                if raws:  # take what else is queued in the same round trip's wake
+                    more: Any = client.rpop(self.queue_key, self.batch_size - 1)
+                    raws += more or []
+            except REDIS_ERRORS as e:
+                self._failed("drainer", e)
+                if backoff.wait():
+                    return
+                continue
+            self._succeeded("drainer")
+            backoff.reset()
+            for raw in raws:
+                self._submit(raw)
+
+    def _submit(self, raw: str) -> None:
+        with self._lock:
+            self.received += 1
+        try:
+            action, source = decode_action(raw)
+            ok = self.llm.engine.submit_action(action, ACTION_SOURCE_PREFIX + (source or "unnamed"))
+        except Exception as e:  # malformed on the wire: rejected, never fatal to the drainer
+            reason = str(e) if isinstance(e, InvalidRequestError) else repr(e)
+            log.warning("replica %s: rejected an action from Redis: %s", self.replica_id, reason)
+            with self._lock:
+                self.malformed += 1
+                self.last_rejection = reason
+            return
+        with self._lock:
+            if ok:
+                self.submitted += 1
+            else:  # the engine's own queue is full: it dropped the newest (this one)
+                self.dropped += 1
+
+    def _failed(self, who: str, exc: Exception) -> None:
+        with self._lock:
+            if who == "flusher":
+                self.publish_errors += 1
+            if not self._down[who]:
+                log.warning("replica %s: Redis %s failed: %r", self.replica_id, who, exc)
+            self._down[who] = True
+            self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def _succeeded(self, who: str) -> None:
+        with self._lock:
+            if self._down[who]:
+                self.reconnects += 1
+                log.info("replica %s: Redis %s reconnected", self.replica_id, who)
+            self._down[who] = False
+
+    # -- public --------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """False while either thread's last Redis call failed."""
+        with self._lock:
+            return not any(self._down.values())
+
+    def counters(self) -> dict[str, Any]:
+        """Read-out and action counters for dashboards and tests. `applied` and `rejected`
+        come from the engine's steering snapshot (all `controller/...` sources); `rejected`
+        adds actions that were malformed on the wire. Not callable from the engine thread."""
+        queue = self.llm.call(lambda engine: engine.steering_snapshot()["queue"])
+
+        def ours(counts: dict[str, int]) -> int:
+            return sum(v for k, v in counts.items() if k.startswith(ACTION_SOURCE_PREFIX))
+
+        engine_rejections = {
+            k: v for k, v in queue["last_rejection"].items() if k.startswith(ACTION_SOURCE_PREFIX)
+        }
+        with self._lock:
+            return {
+                "replica": self.replica_id,
+                "connected": not any(self._down.values()),
+                "reconnects": self.reconnects,
+                "last_error": self.last_error,
+                "readouts": {
+                    "produced": self.produced,
+                    "published": self.published,
+                    "buffered": len(self._buffer),
+                    "lost": self.lost,
+                    "publish_errors": self.publish_errors,
+                },
+                "actions": {
+                    "received": self.received,
+                    "submitted": self.submitted,
+                    "applied": ours(queue["applied"]),
+                    "rejected": ours(queue["rejected"]) + self.malformed,
+                    "malformed": self.malformed,
+                    "dropped": self.dropped,
+                    "last_rejection": self.last_rejection,
+                    "engine_rejections": engine_rejections,
+                },
+            }
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop both threads after one last attempt to publish what is buffered. The listener
+        stays registered with the AsyncLLM but does nothing from now on."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout_s)
+        client = connect(self.redis_url, timeout_s=0.5)
+        try:
+            while self._flush_batch(client):
+                pass
+        finally:
+            client.close()
+
+    def __enter__(self) -> EngineLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

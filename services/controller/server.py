@@ -1,0 +1,179 @@
+"""The controller's gRPC server: the `coxswain.v1.Controller` service over one `Controller`,
+with the standard Health and reflection services beside it.
+
+Auth is the gateway's: bearer API keys (`services.common.auth.ApiKeys`) in the `authorization`
+metadata; ListPolicies and Status need read scope, SetPolicies and RemovePolicy admin. Health
+and reflection stay open, as probes need them.
+
+    python -m services.controller.server --redis redis://127.0.0.1:6379/0 --port 50071 \
+        [--policies policies.json] [--group coxswain-controller] [--consumer NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.auth import ApiKeys, Scope
+from services.common.errors import GRPC_ERROR_METADATA_KEY, CoxswainError, grpc_status
+from services.controller import convert
+from services.controller.controller import Controller
+from services.proto.coxswain.v1 import controller_pb2 as pb
+from services.proto.coxswain.v1 import controller_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Controller"].full_name  # coxswain.v1.Controller
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _rpc(scope: Scope) -> Callable[[_Method], _Method]:
+    """Check the caller's API key for `scope`, then turn our exceptions into gRPC statuses
+    (the class name in trailing metadata); anything else is INTERNAL and logged."""
+
+    def decorate(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def wrapper(self: ControllerServicer, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                metadata = dict(context.invocation_metadata())
+                self.keys.check(metadata.get("authorization"), scope)
+                return method(self, request, context)
+            except CoxswainError as e:
+                context.set_trailing_metadata(((GRPC_ERROR_METADATA_KEY, type(e).__name__),))
+                context.abort(grpc_status(e), str(e))
+            except Exception as e:
+                log.exception("controller %s failed", method.__name__)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class ControllerServicer(pb_grpc.ControllerServicer):
+    """The `coxswain.v1.Controller` service: each RPC converts, calls the controller, converts
+    back."""
+
+    def __init__(self, controller: Controller, keys: ApiKeys | None = None) -> None:
+        self.controller = controller
+        self.keys = keys or ApiKeys()
+
+    @_rpc("admin")
+    def SetPolicies(self, request, context):
+        configs = [convert.policy_from_proto(p) for p in request.policies]
+        active = self.controller.set_policies(configs, replace=request.replace_all)
+        return convert.policies_to_proto(active)
+
+    @_rpc("read")
+    def ListPolicies(self, request, context):
+        return convert.policies_to_proto(self.controller.list_policies())
+
+    @_rpc("admin")
+    def RemovePolicy(self, request, context):
+        self.controller.remove_policy(request.name)
+        return convert.policies_to_proto(self.controller.list_policies())
+
+    @_rpc("read")
+    def Status(self, request, context):
+        return convert.status_to_proto(self.controller.status())
+
+
+@dataclass
+class ControllerServer:
+    """A started server: its gRPC server, bound address, and health servicer."""
+
+    server: grpc.Server
+    host: str
+    port: int
+    health: health.HealthServicer
+
+    @property
+    def address(self) -> str:
+        """`host:port` for a client (IPv6 hosts in brackets)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def stop(self, grace_s: float | None = 2.0) -> None:
+        """Report NOT_SERVING, let calls in flight finish for `grace_s`, then stop."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+
+
+def serve(
+    controller: Controller,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    keys: ApiKeys | None = None,
+    max_workers: int = 4,
+) -> ControllerServer:
+    """Serve `controller` on `host:port` (port 0: any free port) with Health and reflection.
+    `keys` (default: none, auth off) are checked on every Controller call."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers, thread_name_prefix="controller-grpc"),
+        options=[("grpc.so_reuseport", 0)],  # a port in use is an error, not a shared port
+    )
+    pb_grpc.add_ControllerServicer_to_server(ControllerServicer(controller, keys), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    try:
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    except RuntimeError as e:  # grpc raises when it cannot bind
+        raise CoxswainError(f"controller cannot listen on {host}:{port}: {e}") from None
+    if bound == 0:
+        raise CoxswainError(f"controller cannot listen on {host}:{port}")
+    server.start()
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("controller serving on %s:%d", host, bound)
+    return ControllerServer(server=server, host=host, port=bound, health=health_servicer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a controller and its gRPC server until SIGINT/SIGTERM."""
+    ap = argparse.ArgumentParser(description="Coxswain async steering controller")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50071)
+    ap.add_argument("--policies", type=Path, help="a JSON list of policy configs")
+    ap.add_argument("--group", default="coxswain-controller")
+    ap.add_argument("--consumer", default=None)
+    ap.add_argument("--max-queue-len", type=int, default=1024)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    policies = json.loads(args.policies.read_text()) if args.policies else []
+    controller = Controller(
+        args.redis,
+        policies,
+        group=args.group,
+        consumer=args.consumer,
+        max_queue_len=args.max_queue_len,
+    ).start()
+    server = serve(controller, args.host, args.port, keys=ApiKeys.from_env())
+    print(f"controller gRPC on {server.address}, reading {args.redis}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    controller.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Bodies of the Coxswain routes (steering control, the vector registry, sweeps) and of
+errors, as pydantic models so the OpenAPI document shows them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.engine.sweep import SweepSpec
+from services.gateway.openai_api import PackedTensor
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, ...")
+    code: str | None = Field(None, description="The Coxswain error class, e.g. RunNotFoundError.")
+
+
+class ErrorBody(BaseModel):
+    """Every error response, OpenAI-style."""
+
+    error: ErrorDetail
+
+
+# -- vectors ---------------------------------------------------------------------------------
+
+VectorValue = list[float] | list[list[float]] | dict[str, Any]
+
+
+class VectorPut(_Body):
+    """`PUT /v1/vectors/{name}`."""
+
+    value: VectorValue = Field(
+        description="`[H]` (every layer), `[num_layers, H]` (row i for layer i), "
+        "`{layer: [H]}`, or a packed {dtype, shape, data} tensor."
+    )
+    overwrite: bool = Field(False, description="Replace an existing vector of that name.")
+
+
+class VectorInfo(BaseModel):
+    name: str
+    hidden_size: int
+    layers: list[int] | None = Field(description="Per-layer entries: the layers; else null.")
+    source: str = Field(description="'api' or the file it was imported from.")
+
+
+class VectorData(VectorInfo):
+    value: PackedTensor = Field(description="`[H]`, or `[len(layers), H]` in `layers` order.")
+
+
+class VectorRemoved(BaseModel):
+    """What `DELETE /v1/vectors/{name}` removed (its metadata, where the backend has it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+
+class VectorList(BaseModel):
+    data: list[VectorInfo]
+
+
+# -- patching --------------------------------------------------------------------------------
+
+
+class SweepRequest(_Body):
+    """`POST /v1/patch_sweep`: a causal-tracing sweep (see `services/engine/sweep.py`)."""
+
+    corrupt_prompt: str | list[Annotated[int, Field(ge=0)]]
+    answer_token: int | str = Field(description="A token id, or text that is exactly one token.")
+    clean_prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="The clean prompt (captured inline); or give source_run."
+    )
+    source_run: str | None = Field(None, description="A stored clean run in the patch store.")
+    layers: list[Annotated[int, Field(ge=0)]] | Literal["all"] = "all"
+    positions: list[Annotated[int, Field(ge=0)] | str] | Literal["all_prompt"] = Field(
+        "all_prompt", description="Corrupt-prompt positions, or text spans of it."
+    )
+    sites: list[str] = ["post_block"]
+    alpha: float = 1.0
+    foil_token: int | str | None = None
+    metric: Literal["logprob", "logit_diff", "recovered"] = "logprob"
+
+    def to_spec(self) -> SweepSpec:
+        return SweepSpec(**self.model_dump())
+
+
+class PatchSourceDropped(BaseModel):
+    run: str
+    dropped: bool
+    bytes_freed: int
+
+
+# -- service state -----------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+    steps: int
+
+
+class State(BaseModel):
+    """A snapshot whose keys follow the engine's (see the route's description)."""
+
+    model_config = ConfigDict(extra="allow")

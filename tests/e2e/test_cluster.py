@@ -1,0 +1,217 @@
+"""The cluster end to end: a real local Ray, the Serve application (gateway + two engine
+replicas, and a second application whose engine replica is a TP=2 group of rank actors),
+called over real HTTP and gRPC. Results are checked against the offline engine on the same
+checkpoint; admin changes must reach every replica; killing the engine replicas mid-request
+must fail that request clearly, and the restarted replicas must serve again."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+
+from services.common.wire import unpack_tensor
+from services.engine import LLM, SamplingParams
+from services.engine.sweep import Sweep, SweepSpec
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+ADMIN, READER = "admin:admin:" + "a" * 32, "reader:read:" + "r" * 32
+ADMIN_KEY, READ_KEY = ADMIN.split(":")[2], READER.split(":")[2]
+ENGINE = {"device": "cpu", "dtype": "float32"}
+PROMPT = [17, 250, 33, 401, 98, 12, 77, 305, 150, 61]
+H = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vec(seed: int, norm: float = 4.0) -> list[float]:
+    v = torch.randn(H, generator=torch.Generator().manual_seed(seed))
+    return (v / v.norm() * norm).tolist()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    from services.gateway.serve_app import PATCH_STORE_ACTOR, build_app
+    from services.patch_store.actor import start_patch_store_actor
+
+    keys = tmp_path_factory.mktemp("keys") / "api_keys"
+    keys.write_text(f"{ADMIN}\n{READER}\n")
+    ray.init(num_cpus=8, include_dashboard=False, namespace="coxswain", log_to_driver=False)
+    start_patch_store_actor(64 * 2**20, name=PATCH_STORE_ACTOR, namespace="coxswain")
+    http_port, grpc_port = _free_port(), _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    args = {"model": str(model), "api_keys_file": str(keys), "grpc_port": grpc_port, **ENGINE}
+    serve.run(build_app(args, engine_replicas=2), name="coxswain", route_prefix="/")
+    tp_args = {**args, "tp": 2, "grpc_port": None}
+    serve.run(build_app(tp_args), name="tp2", route_prefix="/tp2")
+    yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with httpx.Client(base_url=cluster["http"], headers=headers, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    return LLM(model, **ENGINE)
+
+
+def _complete(client, route: str = "/v1/completions", **body) -> dict:
+    r = client.post(route, json={"prompt": PROMPT, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _logprobs(resp: dict) -> list[float]:
+    return resp["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def _want(offline, **params) -> list[float]:
+    out = offline.generate([PROMPT], SamplingParams(temperature=0, **params))[0].outputs[0]
+    return [out.logprobs[i][t] for i, t in enumerate(out.token_ids)]
+
+
+def test_steered_captured_patched_requests_match_the_offline_engine(client, offline):
+    steering = {"vectors": [{"layers": [0, 1], "vector": _vec(1), "scale": 2.0}]}
+    patch = [{"layer": 0, "position": 4, "source": {"vector": _vec(3, 10.0)}}]
+    capture = {"sites": {"post_block": [0, 1]}, "positions": "all_prompt"}
+    for extra in ({}, {"steering": steering}, {"patch": patch}):
+        got = _complete(client, max_tokens=5, logprobs=1, **extra)
+        assert _logprobs(got) == pytest.approx(
+            _want(offline, max_tokens=5, logprobs=1, **extra), abs=1e-5
+        )
+    resp = _complete(client, max_tokens=1, capture=capture)
+    want = offline.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0, capture=capture))
+    captures = resp["coxswain"]["prompts"][0]["captures"]
+    assert set(captures) == {"0.post_block", "1.post_block"}
+    for key, packed in captures.items():
+        torch.testing.assert_close(unpack_tensor(packed), want[0].captures[key], atol=1e-5, rtol=0)
+
+
+def test_a_streamed_sweep_over_http(client, model):
+    body = {
+        "clean_prompt": PROMPT,
+        "corrupt_prompt": [*PROMPT[:3], 200, *PROMPT[4:]],
+        "answer_token": 17,
+        "layers": [0, 1],
+        "positions": [2, 3],
+    }
+    with client.stream("POST", "/v1/patch_sweep", json=body) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith(("event:", "data:"))]
+    events = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("event:")]
+    assert events == ["cell"] * 4 + ["summary"]
+    summary = json.loads([ln for ln in lines if ln.startswith("data:")][-1][5:])
+    from services.engine import EngineConfig, LLMEngine
+
+    ref = Sweep(LLMEngine(model, EngineConfig(**ENGINE)), SweepSpec(**body)).run()
+    grid = torch.tensor(summary["grid"], dtype=torch.float64)
+    torch.testing.assert_close(grid, torch.from_numpy(ref.grid), atol=1e-4, rtol=0)
+
+
+def test_grpc_front_of_the_gateway(cluster, offline):
+    from services.client import CoxswainClient
+    from services.common.errors import PermissionDeniedError
+
+    steering = {"vectors": [{"layers": [1], "vector": _vec(5)}]}
+    with CoxswainClient(cluster["grpc"], api_key=ADMIN_KEY) as c:
+        out = c.complete(PROMPT, max_tokens=4, temperature=0.0, logprobs=1, steering=steering)
+        got = [out.outputs[0].logprobs[i][t] for i, t in enumerate(out.outputs[0].token_ids)]
+    assert got == pytest.approx(
+        _want(offline, max_tokens=4, logprobs=1, steering=steering), abs=1e-5
+    )
+    with (
+        CoxswainClient(cluster["grpc"], api_key=READ_KEY) as c,
+        pytest.raises(PermissionDeniedError),
+    ):
+        c.set_global_steering(steering)
+
+
+def _wait_applied(client, version: int, replicas: int = 2, timeout_s: float = 30) -> None:
+    """Until `replicas` distinct engine replicas report having applied `version`."""
+    seen: set = set()
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < replicas:
+        assert time.monotonic() < deadline, f"admin version {version} not applied everywhere"
+        state = client.get("/v1/steering").json()
+        if state["cluster"]["applied_version"] >= version:
+            seen.add(state["cluster"]["replica"])
+        time.sleep(0.05)
+
+
+def test_admin_changes_reach_every_replica(client, offline):
+    vec = _vec(9, 6.0)
+    r = client.put("/v1/vectors/shared-dir", json={"value": vec})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/steering/set", json={"vectors": [{"layers": [0], "vector": "shared-dir"}]})
+    assert r.status_code == 200, r.text
+    _wait_applied(client, r.json()["cluster_version"])
+    want = _want(
+        offline, max_tokens=3, logprobs=1, steering={"vectors": [{"layers": [0], "vector": vec}]}
+    )
+    for _ in range(6):  # Serve spreads these over both replicas
+        assert _logprobs(_complete(client, max_tokens=3, logprobs=1)) == pytest.approx(
+            want, abs=1e-5
+        )
+    r = client.post("/v1/steering/clear")
+    _wait_applied(client, r.json()["cluster_version"])
+    plain = _want(offline, max_tokens=3, logprobs=1)
+    for _ in range(4):
+        assert _logprobs(_complete(client, max_tokens=3, logprobs=1)) == pytest.approx(
+            plain, abs=1e-5
+        )
+    bad = client.post("/v1/steering/set", json={"vectors": [{"layers": [0], "vector": [1.0] * 7}]})
+    assert bad.status_code == 400
+    reader = client.post("/v1/steering/clear", headers={"Authorization": f"Bearer {READ_KEY}"})
+    assert reader.status_code == 403
+
+
+def test_tensor_parallel_replica_through_ray_actors(client, offline):
+    steering = {"vectors": [{"layers": [0, 1], "vector": _vec(1), "scale": 2.0}]}
+    got = _complete(client, "/tp2/v1/completions", max_tokens=5, logprobs=1, steering=steering)
+    want = _want(offline, max_tokens=5, logprobs=1, steering=steering)
+    assert _logprobs(got) == pytest.approx(want, abs=1e-4)
+
+
+def test_killing_the_engine_replicas_fails_in_flight_requests_and_they_come_back(client):
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data:"))
+        assert "choices" in first
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if "#Engine#" in actor["name"] and "coxswain#" in actor["name"]:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+        rest = [ln for ln in lines if ln.startswith("data:")]
+    errors = [json.loads(ln[5:]) for ln in rest if ln[5:].strip() != "[DONE]" and "error" in ln]
+    assert errors, "the in-flight stream ended without an error"
+    assert "replica" in errors[-1]["error"]["message"]
+    deadline = time.monotonic() + 120
+    while True:  # Serve replaces the dead replicas; new requests succeed again
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503, r.text
+        assert time.monotonic() < deadline, "the engine replicas did not come back"
+        time.sleep(0.5)

@@ -1,0 +1,64 @@
+"""The controller as a Ray actor: it consumes from the start, and its policies change through
+the actor and through its gRPC server."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from services.common.auth import ApiKeys
+from services.controller.actor import start_controller_actor
+from services.controller.client import ControllerClient
+from services.controller.messages import READOUT_STREAM, ReadoutEntry, encode_entry
+from services.controller.redis_server import RedisServer
+from tests.integration.test_controller import wait_for
+
+ray = pytest.importorskip("ray")
+
+LATCH = {
+    "kind": "latch",
+    "name": "latch",
+    "readout": "p",
+    "threshold": 0.0,
+    "steering": {"vectors": [{"layers": [0], "vector": [1.0, 2.0]}]},
+}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow  # starting Ray takes most of it
+def test_actor_runs_a_controller_with_its_grpc_server(local_ray):
+    with RedisServer() as server:
+        actor = start_controller_actor(
+            server.url, [LATCH], name="ctl", grpc_host="127.0.0.1", grpc_port=0, keys=ApiKeys()
+        )
+        wait_for(lambda: ray.get(actor.status.remote(), timeout=60)["ready"], "the actor")
+        status = ray.get(actor.status.remote(), timeout=30)
+        assert (status["running"], status["consumer"]) == (True, "ctl")
+
+        rdb = redis.Redis.from_url(server.url, decode_responses=True)
+        for i, score in enumerate((-1.0, 1.0)):
+            rdb.xadd(READOUT_STREAM, encode_entry(ReadoutEntry("r0", f"q{i}", 0, 0, {"p": score})))
+        status = wait_for(
+            lambda: (s := ray.get(actor.status.remote(), timeout=30))["processed"] == 2 and s,
+            "two entries",
+        )
+        assert status["actions_written"] == {"r0": 1}  # only q1 fired
+        assert rdb.llen("coxswain:actions:r0") == 1
+
+        address = ray.get(actor.grpc_address.remote(), timeout=30)
+        with ControllerClient(address) as client:
+            assert [p.name for p in client.list_policies()] == ["latch"]
+            client.set_policies([{**LATCH, "name": "second", "threshold": 5.0}])
+        names = [p["name"] for p in ray.get(actor.list_policies.remote(), timeout=30)]
+        assert names == ["latch", "second"]
+
+        ray.get(actor.stop.remote(), timeout=30)
+        assert ray.get(actor.status.remote(), timeout=30)["running"] is False
+        ray.kill(actor)
+        rdb.close()
