@@ -196,6 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             host=args.host,
             http_port=args.port,
             grpc_port=args.grpc_port,
+            controller_grpc_port=args.controller_grpc_port,
             redis_url=args.redis_url,
             api_keys_file=args.api_keys_file,
             num_cpus=args.num_cpus,
@@ -205,7 +206,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"coxswain is up{already}: model {info['model']}")
     for name in ("http", "openapi", "dashboard", "metrics", "grpc", "redis"):
         print(f"  {name:10s} {info[name]}")
-    print(f"  {'controller':10s} {'running' if info['controller'] else 'not installed'}")
+    print(f"  {'controller':10s} {info['controller']}")
     if info["api_keys"]:
         print(f"  API keys (also in {info['api_keys_file']}):")
         for scope, key in info["api_keys"].items():
@@ -289,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--dtype", default="auto")
     upp.add_argument("--host", default="127.0.0.1")
     upp.add_argument("--port", type=int, default=8000, help="HTTP port")
-    upp.add_argument("--grpc-port", type=int, default=50051)
+    upp.add_argument("--grpc-port", type=int, default=50051, help="engine gRPC front")
+    upp.add_argument("--controller-grpc-port", type=int, default=50071)
     upp.add_argument("--redis-url", default=None, help="default: reuse or start a local one")
     upp.add_argument("--api-keys-file", default=None, help="default: generate keys")
     upp.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule")

@@ -35,6 +35,7 @@ class UpOptions:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
+    controller_grpc_port: int = 50071
     redis_url: str | None = None
     api_keys_file: str | None = None
     num_cpus: int | None = None
@@ -112,7 +113,7 @@ def up(opts: UpOptions) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from services.gateway.serve_app import PATCH_STORE_ACTOR, resolve_model
+    from services.gateway.serve_app import resolve_model
 
     if opts.tp < 1 or opts.pp < 1 or opts.replicas < 1:
         raise InvalidRequestError("--tp, --pp and --replicas must be >= 1")
@@ -138,16 +139,6 @@ def up(opts: UpOptions) -> dict[str, Any]:
         raise ServiceUnavailableError(f"`ray start` failed:\n{done.stderr[-2000:]}")
     ray.init(address="auto", namespace="coxswain", logging_level="WARNING", log_to_driver=False)
 
-    from services.patch_store.actor import start_patch_store_actor
-
-    start_patch_store_actor(
-        int(opts.patch_store_budget_gb * 2**30),
-        name=PATCH_STORE_ACTOR,
-        namespace="coxswain",
-        lifetime="detached",
-        get_if_exists=True,
-    )
-    controller = _start_controller(redis_url)
     serve.start(http_options={"host": opts.host, "port": opts.http_port})
     from services.gateway.serve_app import build_app
 
@@ -160,9 +151,12 @@ def up(opts: UpOptions) -> dict[str, Any]:
         "api_keys_file": keys_file,
         "redis_url": redis_url,
         "grpc_port": opts.grpc_port,
+        "controller_grpc_port": opts.controller_grpc_port,
+        "patch_store_budget_gb": opts.patch_store_budget_gb,
+        "engine_replicas": opts.replicas,
         "num_gpus_per_rank": 1 if opts.device.startswith("cuda") else 0,
     }
-    app = build_app(args, engine_replicas=opts.replicas)  # the Serve config's job elsewhere
+    app = build_app(args)  # also starts the patch store and controller actors
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     _wait_healthy(f"http://{opts.host}:{opts.http_port}/health")
     info = {
@@ -174,25 +168,12 @@ def up(opts: UpOptions) -> dict[str, Any]:
         "grpc": f"{opts.host}:{opts.grpc_port}",
         "redis": redis_url,
         "model": model,
-        "controller": controller is not None,
+        "controller": f"{opts.host}:{opts.controller_grpc_port} (gRPC)",
         "api_keys_file": keys_file,
         "api_keys": keys,
     }
     (CLUSTER_DIR / "state.json").write_text(json.dumps({**state, **info}, indent=2))
     return info
-
-
-def _start_controller(redis_url: str) -> Any:
-    """The async steering controller actor, when its module is installed."""
-    try:
-        from services.controller.actor import start_controller_actor
-    except ImportError:
-        return None
-    return start_controller_actor(
-        redis_url,
-        name="coxswain-controller",
-        actor_options={"namespace": "coxswain", "lifetime": "detached", "max_restarts": -1},
-    )
 
 
 def _wait_healthy(url: str, timeout_s: float = 300) -> None:

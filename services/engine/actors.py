@@ -45,6 +45,7 @@ class EngineRank:
         engine_config: dict,
         model_id: str,
         patch_store_address: str | None = None,
+        redis_url: str | None = None,
     ) -> bool:
         """Join the replica and build this rank's engine (blocks until every rank joined)."""
         from services.engine.async_llm import AsyncLLM
@@ -65,6 +66,13 @@ class EngineRank:
         engine = LLMEngine(model, config, ctx=ctx, patch_store=store, sync=sync)
         if sync.is_driver:
             self.service = EngineService(AsyncLLM(engine=engine), model_id=model_id)
+            if redis_url:  # the async controller's read-outs and actions
+                import ray
+
+                from services.controller.engine_link import EngineLink
+
+                replica_id = ray.get_runtime_context().get_actor_id()
+                self.link = EngineLink(self.service.llm, redis_url, replica_id)
         else:
             self._worker = threading.Thread(target=run_worker, args=(engine,), daemon=True)
             self._worker.start()
@@ -103,6 +111,7 @@ class EngineReplica:
         pp_size: int = 1,
         model_id: str | None = None,
         patch_store_address: str | None = None,
+        redis_url: str | None = None,
         num_gpus_per_rank: float = 0,
         num_cpus_per_rank: float = 0,
     ):
@@ -120,7 +129,12 @@ class EngineReplica:
         ray.get(
             [
                 r.start.remote(
-                    init_method, model, engine_config, model_id or model, patch_store_address
+                    init_method,
+                    model,
+                    engine_config,
+                    model_id or model,
+                    patch_store_address,
+                    redis_url,
                 )
                 for r in self.ranks
             ]

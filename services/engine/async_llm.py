@@ -9,9 +9,11 @@ controller's read-out publisher is one).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,10 @@ class AsyncLLM:
         self._lock = threading.Lock()  # engine calls: add/abort from callers, step from the loop
         self._wake = threading.Event()
         self._deliver: dict[str, Deliver] = {}
+        # Requests to admit and aborts, handed to the engine thread (see `_enqueue`).
+        self._inbox_lock = threading.Lock()
+        self._admissions: deque[tuple] = deque()
+        self._aborts: deque[str] = deque()
         self._listeners: list[Listener] = []
         self._ids = itertools.count()
         self._stopped = False
@@ -58,13 +64,29 @@ class AsyncLLM:
         deliver: Deliver,
     ) -> None:
         """Queue a request whose outputs (or the step's failure) go to `deliver`, called in the
-        engine thread after each step that advanced it. Bad input raises here."""
+        engine thread after each step that advanced it. Bad input raises here. Waits for the
+        engine lock, so call it from a worker thread, never from an event loop (`generate`
+        hands admission to the engine thread instead)."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
         with self._lock:
             self.engine.add_request(request_id, prompt, params)
             self._deliver[request_id] = deliver
         self._wake.set()
+
+    def _enqueue(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None, deliver: Deliver
+    ) -> concurrent.futures.Future:
+        """Hand a request to the engine thread, which admits it between steps. Admission
+        (resolving steering, patches, captures) never runs on a caller's thread, so an
+        event loop never waits for the engine lock while a step holds it."""
+        if self._stopped:
+            raise RuntimeError("AsyncLLM is shut down")
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        with self._inbox_lock:
+            self._admissions.append((request_id, prompt, params, deliver, admitted))
+        self._wake.set()
+        return admitted
 
     async def generate(
         self,
@@ -74,16 +96,21 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after each step; the last one has `finished=True`.
 
-        Bad input raises here, before anything is queued. Closing the generator early
+        Bad input raises here, before anything is yielded. Closing the generator early
         (`aclose()`, e.g. via `contextlib.aclosing`, when the client went away) aborts the
         request and frees its KV blocks.
         """
         rid = request_id or f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self.submit(
+        admitted = self._enqueue(
             rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
         )
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:  # gone before admission: abort once it is admitted
+            admitted.add_done_callback(lambda f: f.exception() or self.abort_soon(rid))
+            raise
         finished = False
         try:
             while not finished:
@@ -94,7 +121,13 @@ class AsyncLLM:
                 yield item
         finally:
             if not finished:
-                self.abort(rid)
+                self.abort_soon(rid)
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort a request at the top of the engine thread's next iteration (never blocks)."""
+        with self._inbox_lock:
+            self._aborts.append(request_id)
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its stream (if anyone still reads it) ends with the aborted
@@ -132,8 +165,26 @@ class AsyncLLM:
         except Exception:
             log.exception("delivering output of %s failed", rid)
 
+    def _drain_inbox(self) -> None:
+        """Admit queued requests and apply queued aborts, between steps (engine thread)."""
+        with self._inbox_lock:
+            admissions, self._admissions = self._admissions, deque()
+            aborts, self._aborts = self._aborts, deque()
+        for rid, prompt, params, deliver, admitted in admissions:
+            try:
+                with self._lock:
+                    self.engine.add_request(rid, prompt, params)
+                    self._deliver[rid] = deliver
+            except BaseException as exc:
+                admitted.set_exception(exc)
+            else:
+                admitted.set_result(None)
+        for rid in aborts:
+            self.abort(rid)
+
     def _run(self) -> None:
         while not self._stopped:
+            self._drain_inbox()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
@@ -162,3 +213,7 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        with self._inbox_lock:
+            for *_, admitted in self._admissions:
+                admitted.set_exception(RuntimeError("AsyncLLM is shut down"))
+            self._admissions.clear()

@@ -33,6 +33,7 @@ from services.common.errors import CoxswainError, ServiceUnavailableError
 log = logging.getLogger(__name__)
 
 PATCH_STORE_ACTOR = "coxswain-patch-store"
+CONTROLLER_ACTOR = "coxswain-controller"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -52,6 +53,13 @@ class AppArgs(BaseModel):
     api_keys_file: str | None = None
     redis_url: str | None = None
     patch_store_budget_gb: float = Field(1.0, gt=0)
+    controller_grpc_port: int | None = Field(50071, description="controller gRPC; null: off")
+    allow_no_auth: bool = Field(
+        False, description="serve with no API keys configured (local development only)"
+    )
+    engine_replicas: int | None = Field(
+        None, ge=1, description="fix the Engine replica count (else the Serve config's)"
+    )
     grpc_port: int | None = Field(50051, description="engine gRPC front; null: off")
 
 
@@ -129,6 +137,7 @@ class EngineDeployment:
 
     def __init__(self, args: dict):
         a = AppArgs.model_validate(args)
+        start_cluster_actors(a)  # idempotent: the first replica anywhere starts them
         model_dir = str(resolve_model(a.model))
         config = {"device": a.device, "dtype": a.dtype, **a.engine}
         store_address = _patch_store_address()
@@ -158,6 +167,7 @@ class EngineDeployment:
                 pp_size=a.pp,
                 model_id=model_id,
                 patch_store_address=store_address,
+                redis_url=a.redis_url,
                 num_gpus_per_rank=a.num_gpus_per_rank,
             )
         self.reconciler = Reconciler(state_actor(), self._apply)
@@ -385,6 +395,11 @@ def _gateway_asgi(args: dict) -> Any:
         engine = serve.get_deployment_handle("Engine", app_name=app_name)
         backend = RemoteEngine(engine, state_actor())
         keys = ApiKeys.from_env(a.api_keys_file)
+        if not keys.enabled and not a.allow_no_auth:
+            raise CoxswainError(
+                "no API keys are configured (api_keys_file or COXSWAIN_API_KEYS): refusing "
+                "to serve unauthenticated; set allow_no_auth: true for local development"
+            )
         store = None
         address = _patch_store_address()
         if address:
@@ -421,14 +436,46 @@ def _start_grpc(backend: Any, keys: ApiKeys, port: int) -> None:
         log.exception("the engine gRPC front did not start (HTTP serves on)")
 
 
-def build_app(args: dict, engine_replicas: int | None = None) -> Any:
-    """Serve application builder: `Gateway` (ingress) over `Engine`. Replica counts and
-    autoscaling come from the Serve config; `engine_replicas` fixes the count instead."""
+def start_cluster_actors(a: AppArgs) -> None:
+    """The actors the application shares across its replicas, started once (named,
+    detached, reused when they already run): the patch store, and with `redis_url` the
+    async controller."""
+    from services.patch_store.actor import start_patch_store_actor
+
+    start_patch_store_actor(
+        int(a.patch_store_budget_gb * 2**30),
+        name=PATCH_STORE_ACTOR,
+        namespace="coxswain",
+        lifetime="detached",
+        get_if_exists=True,
+    )
+    if a.redis_url:
+        from services.controller.actor import start_controller_actor
+
+        start_controller_actor(
+            a.redis_url,
+            name=CONTROLLER_ACTOR,
+            actor_options={
+                "namespace": "coxswain",
+                "lifetime": "detached",
+                "max_restarts": -1,
+                "get_if_exists": True,  # replicas start concurrently
+            },
+            grpc_port=a.controller_grpc_port,
+            keys=ApiKeys.from_env(a.api_keys_file),
+        )
+
+
+def build_app(args: dict) -> Any:
+    """Serve application builder (`import_path: services.gateway.serve_app:build_app`):
+    `Gateway` (ingress) over `Engine`. Replica counts and autoscaling come from the Serve
+    config (or `engine_replicas`). The builder has no side effects: the first Engine replica
+    starts the shared actors (`start_cluster_actors`)."""
     a = AppArgs.model_validate(args)
     plain = a.model_dump()
     engine = serve.deployment(name="Engine", health_check_period_s=5)(EngineDeployment)
-    if engine_replicas is not None:
-        engine = engine.options(num_replicas=engine_replicas)
+    if a.engine_replicas is not None:
+        engine = engine.options(num_replicas=a.engine_replicas)
 
     class Gateway:
         def __init__(self, engine_handle: Any):

@@ -46,17 +46,21 @@ def model(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    from services.gateway.serve_app import PATCH_STORE_ACTOR, build_app
-    from services.patch_store.actor import start_patch_store_actor
+    from services.gateway.serve_app import build_app
 
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(f"{ADMIN}\n{READER}\n")
     ray.init(num_cpus=8, include_dashboard=False, namespace="coxswain", log_to_driver=False)
-    start_patch_store_actor(64 * 2**20, name=PATCH_STORE_ACTOR, namespace="coxswain")
     http_port, grpc_port = _free_port(), _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    args = {"model": str(model), "api_keys_file": str(keys), "grpc_port": grpc_port, **ENGINE}
-    serve.run(build_app(args, engine_replicas=2), name="coxswain", route_prefix="/")
+    args = {
+        "model": str(model),
+        "api_keys_file": str(keys),
+        "grpc_port": grpc_port,
+        "patch_store_budget_gb": 0.0625,
+        **ENGINE,
+    }
+    serve.run(build_app({**args, "engine_replicas": 2}), name="coxswain", route_prefix="/")
     tp_args = {**args, "tp": 2, "grpc_port": None}
     serve.run(build_app(tp_args), name="tp2", route_prefix="/tp2")
     yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}

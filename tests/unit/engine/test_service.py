@@ -175,8 +175,9 @@ def test_closing_a_sweep_early_aborts_its_cells(service):
 
 
 def test_a_cell_aborted_by_someone_else_is_void_not_a_value(path):
-    # A small token budget spreads the cells over several steps, so some are live between.
-    svc = EngineService.from_model(path, max_num_batched_tokens=16, **ENGINE)
+    # A token budget smaller than a prompt: every cell spans several steps, so after some
+    # step one is live (not yet finished) for the listener to abort.
+    svc = EngineService.from_model(path, max_num_batched_tokens=4, **ENGINE)
     aborted: list[str] = []
 
     def abort_one_cell(_outputs) -> None:  # the engine thread, after a step (lock released)
