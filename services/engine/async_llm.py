@@ -103,9 +103,12 @@ class AsyncLLM:
         rid = request_id or f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        admitted = self._enqueue(
-            rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
-        )
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            if not loop.is_closed():  # the caller's loop may be gone (its stream with it)
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        admitted = self._enqueue(rid, prompt, params, deliver)
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:  # gone before admission: abort once it is admitted

@@ -19,6 +19,8 @@ Collectives: the model's all-reduces and the stage-to-stage hand-off use the dev
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import pickle
 import socket
 import threading
@@ -64,6 +66,8 @@ def init_replica(
     """
     world = tp_size * pp_size
     backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":  # one GPU per rank: under Ray each rank sees only its own
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
     )
@@ -244,6 +248,8 @@ def _local_rank(
     from services.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)  # ranks share the host's cores
+    if os.environ.get("COXSWAIN_HANG_DUMP_S"):  # debugging a hung replica: dump every stack
+        faulthandler.dump_traceback_later(float(os.environ["COXSWAIN_HANG_DUMP_S"]), exit=True)
     ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type)
     try:
         engine = LLMEngine(model, engine_config, ctx=ctx, sync=sync)

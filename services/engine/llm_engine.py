@@ -234,7 +234,11 @@ class LLMEngine:
     def replay(self, kind: str, payload: Any) -> None:
         """Apply a change the driver rank of this replica made (see `distributed.py`)."""
         if kind == "add":
-            self._admit(pickle.loads(payload))
+            group = pickle.loads(payload)
+            iv = group.interventions
+            if iv is not None and iv.patches is not None:  # unpickled onto the driver's GPU
+                iv.patches = self.interventions._on_device(iv.patches)
+            self._admit(group)
         elif kind == "abort":
             self.abort(payload)
         elif kind == "vector":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 import torch
@@ -43,8 +44,14 @@ async def _collect(agen) -> list:
     return [x async for x in agen]
 
 
-def _idle(svc: EngineService) -> bool:
-    return not svc.llm.call(lambda e: bool(e.requests))
+def _idle(svc: EngineService, timeout_s: float = 10.0) -> bool:
+    """Whether the engine has no unfinished requests (aborts apply between steps: wait)."""
+    deadline = time.monotonic() + timeout_s
+    while svc.llm.call(lambda e: bool(e.requests)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_model_card_and_health(service):

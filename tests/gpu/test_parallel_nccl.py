@@ -1,0 +1,40 @@
+"""Tensor and pipeline parallelism over NCCL: a TP=2 and a PP=2 replica on two GPUs give the
+tokens, logprobs, read-outs and captures of one GPU, with steering, capture and patching.
+Float32, so the only difference is the all-reduce's summation order."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.engine import EngineConfig, LLMEngine
+from services.engine.distributed import launch_local
+from services.engine.model.tiny import make_tiny_checkpoint
+from tests import parallel_workload
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+CONFIG = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny"), "llama", layers=parallel_workload.LAYERS
+    )
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_nccl_replica_matches_one_gpu(checkpoint, tp, pp):
+    want = parallel_workload.run(LLMEngine(checkpoint, CONFIG))
+    got = launch_local(
+        str(checkpoint), tp, pp, parallel_workload.run, engine_config=CONFIG, device_type="cuda"
+    )
+    for g, r in zip(got, want, strict=True):
+        for (gt, glp, _, _), (rt, rlp, _, _) in zip(g["samples"], r["samples"], strict=True):
+            assert gt == rt
+            for a, b in zip(glp or [], rlp or [], strict=True):
+                assert all(math.isclose(a[k], b[k], abs_tol=1e-3) for k in b)
+        for key, t in (r["captures"] or {}).items():
+            torch.testing.assert_close(g["captures"][key], t, atol=1e-3, rtol=0)
