@@ -190,6 +190,19 @@ def test_admin_changes_reach_every_replica(client, offline):
     assert reader.status_code == 403
 
 
+def test_dashboard_state_through_the_cluster(client, cluster):
+    _complete(client, max_tokens=2)
+    state = client.get("/v1/dashboard/state")
+    assert state.status_code == 200, state.text
+    body = state.json()
+    # one replica's engine figures (the dashboard shows the replica that answered)
+    assert body["engine"]["steps"] >= 0 and body["model"]["id"]
+    assert body["patch_store"]["budget_bytes"] == 64 * 2**20
+    assert httpx.get(cluster["http"] + "/v1/dashboard/state").status_code == 401
+    page = httpx.get(cluster["http"] + "/dashboard")
+    assert page.status_code == 200 and "<canvas" in page.text
+
+
 def test_tensor_parallel_replica_through_ray_actors(client, offline):
     steering = {"vectors": [{"layers": [0, 1], "vector": _vec(1), "scale": 2.0}]}
     got = _complete(client, "/tp2/v1/completions", max_tokens=5, logprobs=1, steering=steering)

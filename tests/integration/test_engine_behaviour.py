@@ -291,6 +291,10 @@ def test_async_llm_streams_and_matches_offline(model_dir, alone):
             with pytest.raises(InvalidRequestError):
                 async for _ in llm.generate("", GREEDY):
                     pass
+            for _ in range(1000):  # the abort applies between steps, in the engine thread
+                if not llm.stats()["num_running"]:
+                    break
+                await asyncio.sleep(0.01)
             return results, llm.stats()
         finally:
             llm.shutdown()
