@@ -12,6 +12,7 @@ Ray is imported only when a replica is built.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -119,10 +120,15 @@ class EngineReplica:
 
         world = tp_size * pp_size
         cls = ray.remote(EngineRank)
+        # Named, so operators (and tests) can find a replica's ranks: engine-<id>-rank<r>.
+        self.name = f"engine-{uuid.uuid4().hex[:8]}"
         self.ranks = [
-            cls.options(num_gpus=num_gpus_per_rank, num_cpus=num_cpus_per_rank).remote(
-                rank, tp_size, pp_size
-            )
+            cls.options(
+                name=f"{self.name}-rank{rank}",
+                namespace="coxswain",
+                num_gpus=num_gpus_per_rank,
+                num_cpus=num_cpus_per_rank,
+            ).remote(rank, tp_size, pp_size)
             for rank in range(world)
         ]
         init_method = ray.get(self.ranks[0].address.remote())

@@ -95,7 +95,11 @@ def _unwrap(exc: BaseException) -> BaseException:
     if isinstance(exc, rex.RayTaskError) and isinstance(cause, CoxswainError):
         return cause
     if isinstance(exc, rex.RayError):
-        return ServiceUnavailableError(f"the engine replica failed during the call: {exc}")
+        detail = f"{type(cause).__name__}: {cause}" if cause is not None else type(exc).__name__
+        return ServiceUnavailableError(
+            f"the engine replica failed during the call ({detail[:300]}); "
+            "it is being replaced: retry shortly"
+        )
     return exc
 
 

@@ -210,25 +210,53 @@ def test_tensor_parallel_replica_through_ray_actors(client, offline):
     assert _logprobs(got) == pytest.approx(want, abs=1e-4)
 
 
-def test_killing_the_engine_replicas_fails_in_flight_requests_and_they_come_back(client):
+def _stream_then_kill(client, route: str, kill) -> list[dict]:
+    """Start a long stream, call `kill()` once its first chunk arrived; the error events."""
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with client.stream("POST", "/v1/completions", json=body) as r:
+    with client.stream("POST", route, json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(ln for ln in lines if ln.startswith("data:"))
         assert "choices" in first
+        kill()
+        rest = [ln for ln in lines if ln.startswith("data:")]
+    return [json.loads(ln[5:]) for ln in rest if ln[5:].strip() != "[DONE]" and "error" in ln]
+
+
+def _wait_serving(client, route: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:  # Serve replaces the dead replicas; new requests succeed again
+        r = client.post(route, json={"prompt": PROMPT, "max_tokens": 2})
+        if r.status_code == 200:
+            return
+        assert r.status_code == 503, r.text
+        assert "retry shortly" in r.json()["error"]["message"]
+        assert time.monotonic() < deadline, "the engine replicas did not come back"
+        time.sleep(0.5)
+
+
+def test_killing_one_rank_of_a_tensor_parallel_replica(client):
+    def kill_rank1():
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].endswith("-rank1")
+        ]
+        assert len(names) == 1
+        ray.kill(ray.get_actor(names[0], namespace="coxswain"))
+
+    errors = _stream_then_kill(client, "/tp2/v1/completions", kill_rank1)
+    assert errors and "engine replica failed" in errors[-1]["error"]["message"]
+    _wait_serving(client, "/tp2/v1/completions")
+
+
+def test_killing_the_engine_replicas_fails_in_flight_requests_and_they_come_back(client):
+    def kill_engines():
         for actor in ray.util.list_named_actors(all_namespaces=True):
             if "#Engine#" in actor["name"] and "coxswain#" in actor["name"]:
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
-        rest = [ln for ln in lines if ln.startswith("data:")]
-    errors = [json.loads(ln[5:]) for ln in rest if ln[5:].strip() != "[DONE]" and "error" in ln]
+
+    errors = _stream_then_kill(client, "/v1/completions", kill_engines)
     assert errors, "the in-flight stream ended without an error"
     assert "replica" in errors[-1]["error"]["message"]
-    deadline = time.monotonic() + 120
-    while True:  # Serve replaces the dead replicas; new requests succeed again
-        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        if r.status_code == 200:
-            break
-        assert r.status_code == 503, r.text
-        assert time.monotonic() < deadline, "the engine replicas did not come back"
-        time.sleep(0.5)
+    _wait_serving(client, "/v1/completions")
