@@ -35,6 +35,12 @@ class EngineConfig:
     steering_request_rows: int = 256
     steering_dynamic_rows: int = 32
     action_queue_size: int = 1024
+    # Low-rank adapters in the SVD basis of target Linears (services/engine/adapters.py):
+    # how many may be loaded at once (0: none, and no adapted Linear is built), their rank,
+    # and the module-name patterns they adapt.
+    adapter_capacity: int = 0
+    adapter_rank: int = 8
+    adapter_targets: tuple[str, ...] = ("*.o_proj", "*.down_proj")
 
     def __post_init__(self) -> None:
         for name in (

@@ -20,9 +20,11 @@ from services.common.errors import (
     ActionQueueFullError,
     DuplicateRequestError,
     InvalidRequestError,
+    NotFoundError,
     PromptTooLongError,
     RequestNotFoundError,
 )
+from services.engine.adapters import AdapterBank
 from services.engine.config import EngineConfig
 from services.engine.distributed import StepSync
 from services.engine.interventions.actions import Action, GlobalSteeringUpdate
@@ -94,6 +96,10 @@ class LLMEngine:
             )
             self.max_model_len = num_blocks * cfg.block_size
         self.runner.allocate_kv_cache(num_blocks)
+        self.adapters: AdapterBank | None = None
+        if cfg.adapter_capacity > 0:
+            self.adapters = AdapterBank(cfg.adapter_capacity, cfg.adapter_rank, cfg.adapter_targets)
+            self.adapters.attach(self.runner.model)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.interventions = InterventionManager(
             self.model_config.num_layers,
@@ -203,6 +209,8 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
         )
         self.interventions.prepare(group)  # resolves steering/capture/readouts, or raises
+        if params.adapter is not None:
+            self._bind_adapter(group)
         if self.sync is not None:
             self.sync.record_request(group)
         self._admit(group)
@@ -231,6 +239,46 @@ class LLMEngine:
             self.sync.record("abort", request_id)
         return output
 
+    def _bind_adapter(self, group: RequestGroup) -> None:
+        params = group.params
+        if self.adapters is None:
+            raise InvalidRequestError(
+                "this engine serves no adapters (EngineConfig.adapter_capacity is 0)"
+            )
+        row, version = self.adapters.row(params.adapter, params.adapter_variant)  # type: ignore[arg-type]
+        group.adapter_row = row
+        # KV computed under these adapter weights is reusable only under the same version.
+        group.cache_salt = (("adapter", params.adapter, params.adapter_variant, version),)
+
+    def load_adapter(self, name: str, state: dict) -> int:
+        """Install or replace adapter `name` from its δ vectors (`{module: {"kept": δS,
+        "quarantine": δS_q}}`); returns its new version. Requests already running under it
+        use the new weights from the next step, and their later KV blocks are keyed by the
+        new version, so no block computed under old weights serves a later request."""
+        if self.adapters is None:
+            raise InvalidRequestError(
+                "this engine serves no adapters (EngineConfig.adapter_capacity is 0)"
+            )
+        entry = self.adapters.load(name, state)
+        for group in self.requests.values():
+            if group.params.adapter == name:
+                self._bind_adapter(group)
+        if self.sync is not None:
+            self.sync.record("adapter", (name, state))
+        return entry.version
+
+    def unload_adapter(self, name: str) -> None:
+        """Remove adapter `name` (NotFoundError if absent; InvalidRequestError while a request
+        still runs under it)."""
+        if self.adapters is None:
+            raise NotFoundError(f"no adapter named {name!r} is loaded")
+        users = [g.request_id for g in self.requests.values() if g.params.adapter == name]
+        if users:
+            raise InvalidRequestError(f"adapter {name!r} is in use by requests {users[:3]}")
+        self.adapters.unload(name)
+        if self.sync is not None:
+            self.sync.record("unload_adapter", name)
+
     def replay(self, kind: str, payload: Any) -> None:
         """Apply a change the driver rank of this replica made (see `distributed.py`)."""
         if kind == "add":
@@ -243,6 +291,10 @@ class LLMEngine:
             self.abort(payload)
         elif kind == "vector":
             self.interventions.registry.replay(payload)
+        elif kind == "adapter":
+            self.load_adapter(*payload)
+        elif kind == "unload_adapter":
+            self.unload_adapter(payload)
         else:
             raise ValueError(f"unknown replica change {kind!r}")
 
@@ -262,7 +314,13 @@ class LLMEngine:
         if sched.is_empty:
             return []
         plan = self.interventions.plan(sched)
-        result = self.runner.execute(sched, plan)
+        if self.adapters is not None:
+            self._plan_adapters(sched)
+        try:
+            result = self.runner.execute(sched, plan)
+        finally:
+            if self.adapters is not None:
+                self.adapters.step_rows = None
         if self.sync is not None:
             result = self.sync.finish_step(self, result, plan)
         report = self.interventions.after_forward(sched, plan) if plan is not None else None
@@ -298,6 +356,19 @@ class LLMEngine:
                 del self.requests[rid]
                 self.interventions.release(group)
         return outputs
+
+    def _plan_adapters(self, sched: Any) -> None:
+        """Each token's row in the adapted Linears' δ tables (None: no token uses one)."""
+        rows: list[int] = []
+        for s in sched.scheduled:
+            rows += [s.seq.group.adapter_row] * s.num_tokens
+        bank = self.adapters
+        assert bank is not None
+        bank.step_rows = (
+            torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            if any(rows)
+            else None
+        )
 
     def _append_token(
         self,

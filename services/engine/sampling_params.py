@@ -48,6 +48,10 @@ class SamplingParams:
     # Ties the requests of one conversation together for the async controller (its latch
     # policy keeps steering a conversation once a probe fired in it); opaque to the engine.
     conversation_id: str | None = None
+    # A loaded adapter (`LLMEngine.load_adapter`) to run under, as trained (kept + quarantine)
+    # or as deployed (quarantine ablated).
+    adapter: str | None = None
+    adapter_variant: str = "trained"
 
     def __post_init__(self) -> None:
         from services.engine.interventions.spec import (
@@ -96,6 +100,8 @@ class SamplingParams:
                 raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
+        if self.adapter_variant not in ("trained", "deploy"):
+            raise bad(f"adapter_variant must be trained or deploy, not {self.adapter_variant!r}")
         for name in ("stop_token_ids", "logprob_token_ids"):
             ids = getattr(self, name)
             if any(not isinstance(i, int) or i < 0 for i in ids):

@@ -144,6 +144,7 @@ class RequestGroup:
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: tuple = ()
+    adapter_row: int = 0  # its row in every adapted Linear's δ table (0: no adapter)
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
