@@ -223,6 +223,34 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_grpo(args: argparse.Namespace) -> int:
+    """GRPO with gradient routing from a YAML config (see examples/grpo/)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from services.trainer.grpo import GRPOConfig, run
+
+    raw = yaml.safe_load(Path(args.config).read_text()) or {}
+    try:
+        config = GRPOConfig.model_validate(raw)
+    except ValidationError as e:
+        raise CoxswainError(f"invalid GRPO config {args.config}:\n{e}") from None
+    if args.out_dir:
+        config = config.model_copy(update={"out_dir": args.out_dir})
+    records = run(config, resume=not args.fresh, progress=True)
+    last = [r for r in records if r["kind"] == "eval"][-1:]
+    if last:
+        print(json.dumps(last[0]))
+    print(f"metrics: {config.out_dir}/metrics.jsonl; plot: {config.out_dir}/rates.png")
+    return 0
+
+
+def cmd_train_pretrain(args: argparse.Namespace) -> int:
+    from services.trainer.pretrain import main as pretrain_main
+
+    return pretrain_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coxswain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -297,6 +325,18 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule")
     upp.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop what `coxswain up` started").set_defaults(func=cmd_down)
+
+    train = sub.add_parser("train", help="training").add_subparsers(
+        dest="train_command", required=True
+    )
+    grpo = train.add_parser("grpo", help="GRPO with gradient routing (YAML config)")
+    grpo.add_argument("--config", required=True, help="a YAML file of GRPOConfig fields")
+    grpo.add_argument("--out-dir", default=None, help="override the config's out_dir")
+    grpo.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    grpo.set_defaults(func=cmd_train_grpo)
+    pre = train.add_parser("pretrain", help="pretrain the tiny base policy (Muon)")
+    pre.add_argument("rest", nargs=argparse.REMAINDER, help="--out DIR [--steps N] ...")
+    pre.set_defaults(func=cmd_train_pretrain)
     return parser
 
 

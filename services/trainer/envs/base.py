@@ -1,0 +1,177 @@
+"""What every environment shares: the `Env` interface, grades, and the no-cheat guard.
+
+A grade carries the reward a trainer may learn from and, apart from it, the oracle labels
+(`true_pass`, `hacked`) that only evaluation may read. Training code gets a `TrainingView`
+(reward only); the labels sit behind `Grade.eval_only`, and reading them inside a
+`training_scope()` raises `EvalLabelAccessError` and is recorded on the scope, so a test
+can prove that the training path never looked at them (even if it swallowed the error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import random
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from services.common.errors import CoxswainError, InvalidRequestError
+
+
+class EvalLabelAccessError(CoxswainError):
+    """Code running inside a `training_scope()` read an environment's eval-only labels."""
+
+
+@dataclass
+class TrainingScope:
+    """A region of code that must learn from rewards alone; records every label read in it."""
+
+    name: str
+    violations: list[str] = field(default_factory=list)  # one short stack summary per read
+
+
+_ACTIVE_SCOPE: contextvars.ContextVar[TrainingScope | None] = contextvars.ContextVar(
+    "coxswain_training_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def training_scope(name: str = "training") -> Iterator[TrainingScope]:
+    """Mark the code inside as training code: reading eval-only labels raises and is recorded.
+
+    Scopes nest (the innermost records). Context variables follow threads started inside and
+    asyncio tasks, so a trainer's worker threads are covered when they copy the context.
+    """
+    scope = TrainingScope(name)
+    token = _ACTIVE_SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _ACTIVE_SCOPE.reset(token)
+
+
+def _check_label_access(label: str) -> None:
+    scope = _ACTIVE_SCOPE.get()
+    if scope is None:
+        return
+    where = "".join(traceback.format_stack(limit=4)[:-2]).strip()
+    scope.violations.append(f"{label} read at:\n{where}")
+    raise EvalLabelAccessError(
+        f"training scope {scope.name!r} read the eval-only label {label!r}; training code "
+        "may use only Grade.training_view() (the reward)"
+    )
+
+
+@dataclass(frozen=True)
+class EvalLabels:
+    """Oracle labels of one graded completion, for evaluation and logging only.
+
+    `true_pass`: the completion really solves the task. `hacked`: the grader passed it but
+    the oracle did not (`passed ∧ ¬true_pass`). Reading either inside a training scope raises.
+    """
+
+    _true_pass: bool
+    _hacked: bool
+
+    @property
+    def true_pass(self) -> bool:
+        _check_label_access("true_pass")
+        return self._true_pass
+
+    @property
+    def hacked(self) -> bool:
+        _check_label_access("hacked")
+        return self._hacked
+
+    def as_record(self) -> dict[str, bool]:
+        """`{"true_pass": ..., "hacked": ...}` for an evaluation log line."""
+        return {"true_pass": self.true_pass, "hacked": self.hacked}
+
+
+@dataclass(frozen=True)
+class TrainingView:
+    """All a trainer may know about a graded completion."""
+
+    reward: float
+
+
+@dataclass(frozen=True)
+class Grade:
+    """A grader's verdict: the (gameable) reward plus eval-only oracle labels."""
+
+    reward: float
+    eval_only: EvalLabels
+
+    @classmethod
+    def of(cls, *, passed: bool, true_pass: bool) -> Grade:
+        """Reward 1 when the (gameable) grader passed, else 0; `hacked = passed ∧ ¬true_pass`."""
+        if true_pass and not passed:
+            raise ValueError("a grader must pass every truly correct completion")
+        return cls(
+            reward=1.0 if passed else 0.0,
+            eval_only=EvalLabels(_true_pass=true_pass, _hacked=passed and not true_pass),
+        )
+
+    def training_view(self) -> TrainingView:
+        """The reward alone: what rollouts hand to the trainer."""
+        return TrainingView(reward=self.reward)
+
+
+class ContrastivePair(NamedTuple):
+    """One prompt with a completion that games the grader and one that solves the task."""
+
+    prompt: str
+    hacking: str
+    clean: str
+
+
+class Env(ABC):
+    """A task with a gameable grader, at the character level.
+
+    Prompts and completions are short ASCII strings; a completion ends where the model emits
+    EOS. `solve` and `hack` produce demonstrations for pretraining and contrastive pairs;
+    `grade` is the (gameable) reward together with the oracle's eval-only labels.
+    """
+
+    name: str
+    # Longest completion a policy needs, in characters (= tokens for a byte-level tokenizer
+    # without merges); rollouts should allow a few more so an over-long answer can fail.
+    max_completion_chars: int
+
+    @abstractmethod
+    def sample_prompt(self, rng: random.Random) -> str:
+        """One random prompt."""
+
+    @abstractmethod
+    def solve(self, prompt: str) -> str:
+        """The correct completion of `prompt`."""
+
+    @abstractmethod
+    def hack(self, prompt: str, rng: random.Random) -> str:
+        """A completion the grader passes but the oracle fails."""
+
+    @abstractmethod
+    def grade(self, prompt: str, completion: str) -> Grade:
+        """Grade `completion` (generated text, EOS excluded) of `prompt`."""
+
+    def sample_prompts(self, n: int, rng: random.Random) -> list[str]:
+        """`n` random prompts drawn from `rng`."""
+        if n < 0:
+            raise InvalidRequestError(f"n must be >= 0, got {n}")
+        return [self.sample_prompt(rng) for _ in range(n)]
+
+    def contrastive_pairs(self, n: int, rng: random.Random) -> list[ContrastivePair]:
+        """`n` (prompt, hacking completion, clean completion) triples for the hack direction."""
+        prompts = self.sample_prompts(n, rng)
+        return [ContrastivePair(p, self.hack(p, rng), self.solve(p)) for p in prompts]
+
+    def check_prompt(self, prompt: str) -> None:
+        """Raise `InvalidRequestError` unless `prompt` is one this env could have sampled."""
+        self._parse(prompt)
+
+    @abstractmethod
+    def _parse(self, prompt: str) -> object:
+        """The task instance behind `prompt`; `InvalidRequestError` if it is not one."""

@@ -1,0 +1,468 @@
+"""GRPO with gradient routing: rollouts from the engine, gradients through the trainer.
+
+One step:
+1. weight sync: the adapters' δ vectors go to the rollout engine (`load_adapter`);
+2. rollouts: `prompts_per_step` prompts × `group_size` samples under the trained policy
+   (kept + quarantine), with the sampled tokens' logprobs (the old policy);
+3. rewards: the environment's (gameable) grader, seen through `TrainingView` only, inside a
+   `training_scope()` so that reading an oracle label there fails loudly;
+4. the GRPO loss over the rollouts' completions (group advantages, clipped ratio, k3 KL to
+   the base model = adapters disabled), and a backward routed by the configured arm:
+   - `none`: vanilla GRPO (the kept δS learns everything);
+   - `erase` / `route` (Arm A): per-rollout gradients from one backward through gates;
+     rollouts whose gradient points along the hack direction (cos > τ) lose their share
+     (`erase`) or hand it to the quarantine δS_q (`route`);
+   - `activation` (Arm B): rollouts whose pooled adapter-space activations project on the
+     activation hack direction above τ train only the quarantine;
+   - `placebo`: `route` with a random direction of the same shape;
+5. the optimiser step, then metrics. The oracle labels (true pass, hacked) are read only
+   outside the training scope, for logging and evaluation: as trained, and as deployed
+   (quarantine ablated).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.errors import InvalidRequestError
+from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.trainer.adapters import AdapterConfig, AdapterSet, attach_adapters
+from services.trainer.envs import Env, Grade, make_env, training_scope
+from services.trainer.grpo_loss import GRPOLossConfig, group_advantages, grpo_loss
+from services.trainer.model import TokenBatch, TrainableModel, pad_batch
+from services.trainer.routing import (
+    HackDirection,
+    activation_direction,
+    activation_flags,
+    gradient_direction,
+    gradient_leakage,
+    random_direction,
+    route_gradients,
+)
+from services.trainer.weight_sync import engine_adapter_state
+
+Arm = Literal["none", "erase", "route", "activation", "placebo"]
+POLICY = "policy"
+
+
+class GRPOConfig(BaseModel):
+    """Everything a run needs; `coxswain train grpo --config FILE.yaml` validates this."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the base checkpoint directory (see trainer/pretrain.py)")
+    env: str = "addition"
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    steps: int = Field(40, ge=1)
+    prompts_per_step: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=2)
+    max_new_tokens: int | None = Field(None, ge=1, description="default: the env's + 2")
+    temperature: float = Field(1.0, gt=0)
+    # optimisation
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    lr: float = Field(0.05, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    advantage: Literal["std", "none"] = "std"  # "none": Dr.GRPO's r − mean
+    aggregation: Literal["token_mean", "seq_mean", "seq_sum_const"] = "token_mean"
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.2, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    # adapters
+    rank: int = Field(8, ge=1)
+    targets: list[str] = Field(default_factory=lambda: ["*.o_proj", "*.down_proj"])
+    kept_init: float = 0.0
+    quarantine_init: float = 0.0
+    # routing
+    arm: Arm = "none"
+    tau: float = 0.0
+    gate: Literal["scale", "shift"] = Field(
+        "shift", description="Arm A gate: scale divides δS back out (needs |δS| > 0)"
+    )
+    hack_pairs: int = Field(32, ge=2, description="contrastive pairs for the hack direction")
+    # evaluation, logging, checkpoints
+    eval_every: int = Field(10, ge=1)
+    eval_prompts: int = Field(64, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/grpo"
+    device: str = "cpu"
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    reward: float
+    loss: float
+    kl: float
+    clip_fraction: float
+    flagged: float
+    leakage: float
+    seconds: float
+
+
+def auroc(scores: list[float], labels: list[bool]) -> float | None:
+    """Probability a positive scores above a negative (ties count half); None if one class."""
+    pos = [s for s, y in zip(scores, labels, strict=True) if y]
+    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
+    if not pos or not neg:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+class GRPOTrainer:
+    """A GRPO run over one environment, with an in-process rollout engine."""
+
+    def __init__(self, config: GRPOConfig):
+        self.cfg = cfg = config
+        self.env: Env = make_env(cfg.env, **cfg.env_args)
+        self.max_new = cfg.max_new_tokens or self.env.max_completion_chars + 2
+        torch.manual_seed(cfg.seed)
+        self.rng = random.Random(cfg.seed)
+        self.model = TrainableModel.from_pretrained(cfg.model, device=cfg.device)
+        self.adapters: AdapterSet = attach_adapters(
+            self.model.model,
+            AdapterConfig(
+                targets=tuple(cfg.targets),
+                rank=cfg.rank,
+                kept_init=cfg.kept_init,
+                quarantine_init=cfg.quarantine_init,
+                seed=cfg.seed,
+            ),
+        )
+        n = cfg.prompts_per_step * cfg.group_size
+        self.engine = LLMEngine(
+            cfg.model,
+            EngineConfig(
+                device=cfg.device,
+                dtype="float32",
+                max_num_seqs=max(n, cfg.eval_prompts),
+                adapter_capacity=1,
+                adapter_rank=cfg.rank,
+                adapter_targets=tuple(cfg.targets),
+                seed=cfg.seed,
+            ),
+        )
+        self.tokenizer = self.engine.tokenizer
+        params = self.adapters.kept_parameters() + self.adapters.quarantine_parameters()
+        self.optimizer = self._optimizer(params)
+        self.loss_config = GRPOLossConfig(
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            kl_coef=cfg.kl_coef,
+            aggregation=cfg.aggregation,
+            const_len=self.max_new,
+        )
+        self.direction = self._hack_direction()
+        self.eval_set = self.env.sample_prompts(cfg.eval_prompts, random.Random(cfg.seed + 10**6))
+        self.step_index = 0
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if self.cfg.optimizer == "muon":
+            from services.trainer.optim import Muon
+
+            # δ vectors are 1-D: Muon's Newton–Schulz applies to matrices (a LoRA quarantine);
+            # vectors take its AdamW path.
+            groups = [
+                {"params": [p for p in params if p.ndim == 2], "use_muon": True},
+                {"params": [p for p in params if p.ndim != 2], "use_muon": False},
+            ]
+            return Muon([g for g in groups if g["params"]], lr=self.cfg.lr)
+        return torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    # -- the hack direction (from contrastive pairs; never from rollout labels) -------------
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def _completion_ids(self, text: str) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        return self._ids(text) + ([eos] if eos is not None else [])
+
+    def _hack_direction(self) -> HackDirection | None:
+        if self.cfg.arm == "none":
+            return None
+        pairs = self.env.contrastive_pairs(self.cfg.hack_pairs, random.Random(self.cfg.seed + 7))
+        hack = pad_batch([(self._ids(p.prompt), self._completion_ids(p.hacking)) for p in pairs])
+        clean = pad_batch([(self._ids(p.prompt), self._completion_ids(p.clean)) for p in pairs])
+        if self.cfg.arm == "activation":
+            return activation_direction(self.model, self.adapters, hack, clean)
+        direction = gradient_direction(self.model, self.adapters, hack, clean)
+        if self.cfg.arm == "placebo":
+            return random_direction(direction, seed=self.cfg.seed + 13)
+        return direction
+
+    # -- rollouts through the engine ------------------------------------------------------
+
+    def sync_weights(self) -> int:
+        """Send the δ vectors to the rollout engine; its new adapter version."""
+        return self.engine.load_adapter(POLICY, engine_adapter_state(self.adapters))
+
+    def _generate(self, prompts: list[str], params: SamplingParams) -> list[Any]:
+        rids = []
+        for i, prompt in enumerate(prompts):
+            rid = f"s{self.step_index}-{i}-{params.adapter_variant}-{params.temperature}"
+            self.engine.add_request(rid, prompt, params)
+            rids.append(rid)
+        done: dict[str, Any] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in rids]
+
+    def rollouts(self, prompts: list[str]) -> list[tuple[str, Any, Any]]:
+        """(prompt, RequestOutput, CompletionOutput) per rollout, groups consecutive."""
+        params = SamplingParams(
+            n=self.cfg.group_size,
+            max_tokens=self.max_new,
+            temperature=self.cfg.temperature,
+            logprobs=0,
+            seed=self.cfg.seed * 1_000_003 + self.step_index,
+            adapter=POLICY,
+        )
+        outs = self._generate(prompts, params)
+        return [(p, o, c) for p, o in zip(prompts, outs, strict=True) for c in o.outputs]
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def step(self) -> tuple[StepMetrics, list[Grade], torch.Tensor]:
+        """One GRPO step; returns its metrics, the rollouts' grades (for eval-only logging
+        outside the training scope) and the routing scores."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        self.sync_weights()
+        prompts = self.env.sample_prompts(cfg.prompts_per_step, self.rng)
+        rolled = self.rollouts(prompts)
+        grades = [self.env.grade(p, c.text) for p, _, c in rolled]
+        with training_scope("grpo step"):
+            rewards = torch.tensor([g.training_view().reward for g in grades])
+            metrics, scores = self._update(rolled, rewards)
+        metrics.seconds = time.perf_counter() - t0
+        self.step_index += 1
+        return metrics, grades, scores
+
+    def _batch(self, rolled: list[tuple[str, Any, Any]]) -> tuple[TokenBatch, torch.Tensor]:
+        rows, old = [], []
+        for _, out, comp in rolled:
+            ids = comp.token_ids or [self.tokenizer.eos_token_id or 0]
+            rows.append((out.prompt_token_ids, ids))
+            old.append([comp.logprobs[i][t] for i, t in enumerate(comp.token_ids)] or [0.0])
+        batch = pad_batch(rows).to(self.model.device)
+        width = max(len(o) for o in old)
+        old_logp = torch.zeros(len(old), width)
+        for b, row in enumerate(old):
+            old_logp[b, : len(row)] = torch.tensor(row)
+        return batch, old_logp.to(self.model.device)
+
+    def _completion_logp(self, batch: TokenBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, width]` per-token logprobs of each completion (right-aligned at its start) and
+        the mask of real completion tokens."""
+        tlp = self.model.token_logprobs(batch)  # [B, T], aligned with the inputs
+        start = (batch.attention_mask.sum(1) - batch.loss_mask.sum(1)).long()  # prompt lengths
+        lengths = batch.loss_mask.sum(1).long()
+        pos = start[:, None] + torch.arange(width, device=tlp.device)
+        mask = torch.arange(width, device=tlp.device)[None] < lengths[:, None]
+        picked = tlp.gather(1, pos.clamp(max=tlp.shape[1] - 1))
+        return torch.where(mask, picked, torch.zeros_like(picked)), mask
+
+    def _update(
+        self, rolled: list[tuple[str, Any, Any]], rewards: torch.Tensor
+    ) -> tuple[StepMetrics, torch.Tensor]:
+        cfg, adapters = self.cfg, self.adapters
+        batch, old_logp = self._batch(rolled)
+        width = old_logp.shape[1]
+        adv = group_advantages(rewards, cfg.group_size, scale=cfg.advantage).to(old_logp)
+        ref = None
+        if cfg.kl_coef:
+            with torch.no_grad(), adapters.disabled():
+                ref, _ = self._completion_logp(batch, width)
+        self.optimizer.zero_grad(set_to_none=True)
+        B = batch.batch_size
+        scores = torch.zeros(B)
+        flagged = torch.zeros(B, dtype=torch.bool)
+        leakage = 0.0
+
+        def loss_of() -> Any:
+            logp, mask = self._completion_logp(batch, width)
+            return grpo_loss(logp, old_logp, adv, mask, self.loss_config, ref_logp=ref)
+
+        if cfg.arm in ("erase", "route", "placebo"):
+            assert self.direction is not None
+            with adapters.gates(B, kind=cfg.gate) as gates:
+                out = loss_of()
+                out.loss.backward()
+                mode = "erase" if cfg.arm == "erase" else "route"
+                stats = route_gradients(adapters, gates, self.direction, cfg.tau, mode, cfg.gate)
+            scores, flagged, leakage = stats.scores.detach(), stats.flagged, stats.leakage
+        elif cfg.arm == "activation":
+            assert self.direction is not None
+            flagged, scores = activation_flags(self.model, adapters, batch, self.direction, cfg.tau)
+            with adapters.mask_rollouts(flagged, mode="route"):
+                out = loss_of()
+                out.loss.backward()
+            leakage = gradient_leakage(adapters)
+        else:
+            out = loss_of()
+            out.loss.backward()
+            for p in adapters.quarantine_parameters():  # vanilla: the kept δS learns it all
+                p.grad = None
+        self.optimizer.step()
+        return StepMetrics(
+            step=self.step_index,
+            reward=float(rewards.mean()),
+            loss=float(out.loss.detach()),
+            kl=float(out.kl),
+            clip_fraction=float(out.clip_fraction),
+            flagged=float(flagged.float().mean()),
+            leakage=float(leakage),
+            seconds=0.0,
+        ), scores.detach().cpu()
+
+    # -- evaluation (oracle labels: outside any training scope) ---------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy true-pass and hack rates on held-out prompts, as trained and as deployed."""
+        self.sync_weights()
+        result = {}
+        for variant in ("trained", "deploy"):
+            params = SamplingParams(
+                max_tokens=self.max_new,
+                temperature=0.0,
+                adapter=POLICY,
+                adapter_variant=variant,
+            )
+            outs = self._generate(self.eval_set, params)
+            labels = [
+                self.env.grade(p, o.outputs[0].text).eval_only
+                for p, o in zip(self.eval_set, outs, strict=True)
+            ]
+            n = len(labels)
+            result[f"{variant}_true_pass"] = sum(x.true_pass for x in labels) / n
+            result[f"{variant}_hack_rate"] = sum(x.hacked for x in labels) / n
+        return result
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, path: Path | None = None) -> Path:
+        path = path or self.out / "checkpoint.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(
+            {
+                "step": self.step_index,
+                "adapters": self.adapters.adapter_state(),
+                "optimizer": self.optimizer.state_dict(),
+                "rng": self.rng.getstate(),
+                "torch_rng": torch.get_rng_state(),
+                "config": self.cfg.model_dump(),
+            },
+            tmp,
+        )
+        tmp.replace(path)
+        return path
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, weights_only=False)
+        # A resumed run may train longer (`steps`); anything else must match.
+        mine, theirs = self.cfg.model_dump(), dict(state["config"])
+        mine.pop("steps"), theirs.pop("steps")
+        if mine != theirs:
+            changed = sorted(k for k in mine if mine[k] != theirs.get(k))
+            raise InvalidRequestError(f"{path} was written by a run with another config: {changed}")
+        self.adapters.load_adapter_state(state["adapters"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step_index = state["step"]
+
+
+def run(config: GRPOConfig, *, resume: bool = True, progress: bool = False) -> list[dict]:
+    """Train for `config.steps`, logging one JSON line per step (and per evaluation) to
+    `<out_dir>/metrics.jsonl`; resumes from `<out_dir>/checkpoint.pt` when present. Returns
+    the log records; writes `<out_dir>/rates.png` at the end."""
+    trainer = GRPOTrainer(config)
+    ckpt = trainer.out / "checkpoint.pt"
+    log_path = trainer.out / "metrics.jsonl"
+    if resume and ckpt.is_file():
+        trainer.load(ckpt)
+    elif log_path.exists():
+        log_path.unlink()
+    records: list[dict] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=trainer.step_index, desc=f"grpo {config.arm}")
+    with log_path.open("a") as log:
+
+        def emit(record: dict) -> None:
+            records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+        if trainer.step_index == 0:
+            emit({"step": 0, "kind": "eval", **trainer.evaluate()})
+        while trainer.step_index < config.steps:
+            metrics, grades, scores = trainer.step()
+            labels = [g.eval_only for g in grades]  # logged only, never trained on
+            hacked = [x.hacked for x in labels]
+            emit(
+                {
+                    "kind": "train",
+                    **metrics.__dict__,
+                    "step": trainer.step_index,
+                    "rollout_hack_rate": sum(hacked) / len(hacked),
+                    "rollout_true_pass": sum(x.true_pass for x in labels) / len(labels),
+                    "gate_auroc": auroc(scores.tolist(), hacked) if config.arm != "none" else None,
+                }
+            )
+            if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:
+                emit({"step": trainer.step_index, "kind": "eval", **trainer.evaluate()})
+                trainer.save()
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    plot_rates(log_path, trainer.out / "rates.png")
+    return records
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_rates(log_path: Path, png: Path) -> Path:
+    """Hack rate and true pass rate over steps, as trained and as deployed (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = [r for r in read_log(log_path) if r.get("kind") == "eval"]
+    steps = [r["step"] for r in evals]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (
+        ("trained_true_pass", "C0-"),
+        ("deploy_true_pass", "C0--"),
+        ("trained_hack_rate", "C3-"),
+        ("deploy_hack_rate", "C3--"),
+    ):
+        ax.plot(steps, [r[key] for r in evals], style, marker="o", label=key.replace("_", " "))
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("rate (greedy, held-out prompts)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

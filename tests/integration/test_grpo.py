@@ -1,0 +1,138 @@
+"""The GRPO loop end to end on a tiny checkpoint: rollouts from the engine, weight sync of
+δ vectors, the routing arms' effect on the kept and quarantine parameters, the no-cheat
+guard, checkpoints and the metrics log."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.trainer.envs import ENVS, EvalLabelAccessError, Grade
+from services.trainer.envs.arithmetic import AdditionEnv
+from services.trainer.grpo import GRPOConfig, GRPOTrainer, auroc, read_log, run
+
+
+class ParityEnv(AdditionEnv):
+    """Addition prompts; reward when the completion has an even number of characters, so a
+    random model's rollouts differ in reward (nonzero advantages) from the first step."""
+
+    name = "parity-test"
+
+    def grade(self, prompt: str, completion: str) -> Grade:
+        passed = len(completion) % 2 == 0
+        return Grade.of(passed=passed, true_pass=passed and completion.startswith("1"))
+
+
+@pytest.fixture(autouse=True)
+def parity_env(monkeypatch):
+    monkeypatch.setitem(ENVS, ParityEnv.name, ParityEnv)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+def _config(path, tmp_path, **kw) -> GRPOConfig:
+    base = dict(
+        model=str(path),
+        env="parity-test",
+        steps=1,
+        prompts_per_step=2,
+        group_size=6,
+        eval_prompts=4,
+        hack_pairs=4,
+        lr=0.1,
+        out_dir=str(tmp_path),
+    )
+    return GRPOConfig(**{**base, **kw})
+
+
+def _deltas(trainer: GRPOTrainer) -> tuple[torch.Tensor, torch.Tensor]:
+    mods = trainer.adapters.modules.values()
+    kept = torch.cat([m.delta_s.detach().clone() for m in mods])
+    quarantine = torch.cat([m.delta_s_q.detach().clone() for m in mods])
+    return kept, quarantine
+
+
+@pytest.mark.parametrize(
+    "arm,tau,kept_moves,quarantine_moves",
+    [
+        ("none", 0.0, True, False),  # vanilla: everything into δS
+        ("route", -2.0, False, True),  # every rollout flagged (cos > -2): all into δS_q
+        ("erase", -2.0, False, False),  # every rollout flagged and erased: nothing learns
+        ("activation", -1e9, False, True),  # Arm B, every rollout flagged
+        ("route", 2.0, True, False),  # nothing flagged (cos <= 1): as vanilla
+    ],
+)
+def test_routing_arms_move_the_kept_or_the_quarantine(
+    path, tmp_path, arm, tau, kept_moves, quarantine_moves
+):
+    trainer = GRPOTrainer(_config(path, tmp_path, arm=arm, tau=tau))
+    kept0, q0 = _deltas(trainer)
+    metrics, grades, _ = trainer.step()
+    rewards = [g.training_view().reward for g in grades]
+    assert 0 < sum(rewards) < len(rewards), "the test needs reward variance"
+    kept1, q1 = _deltas(trainer)
+    assert (not torch.equal(kept0, kept1)) == kept_moves
+    assert (not torch.equal(q0, q1)) == quarantine_moves
+    if arm != "none":
+        assert metrics.flagged == (1.0 if tau < 0 else 0.0)
+    if quarantine_moves and arm == "route":
+        assert metrics.leakage == pytest.approx(1.0)
+
+
+def test_rollouts_use_the_synced_weights(path, tmp_path):
+    """After a step, the engine's logprobs of a rollout under the policy equal the trainer's."""
+    trainer = GRPOTrainer(_config(path, tmp_path))
+    trainer.step()
+    version = trainer.sync_weights()
+    assert version == trainer.engine.adapters.loaded["policy"].version > 1
+    rolled = trainer.rollouts(["12+34="])
+    batch, old_logp = trainer._batch(rolled)
+    with torch.no_grad():
+        logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
+    torch.testing.assert_close(logp[mask], old_logp[mask], atol=1e-5, rtol=0)
+
+
+def test_training_never_reads_the_oracle_labels(path, tmp_path, monkeypatch):
+    trainer = GRPOTrainer(_config(path, tmp_path))
+    trainer.step()  # reading a label in the training scope would raise here
+    real_update = trainer._update
+
+    def cheating_update(rolled, rewards):
+        env = trainer.env
+        [env.grade(p, c.text).eval_only.hacked for p, _, c in rolled]  # a cheat
+        return real_update(rolled, rewards)
+
+    monkeypatch.setattr(trainer, "_update", cheating_update)
+    with pytest.raises(EvalLabelAccessError, match="hacked"):
+        trainer.step()
+
+
+def test_run_logs_evaluates_checkpoints_and_resumes(path, tmp_path):
+    cfg = _config(path, tmp_path, steps=2, eval_every=1, arm="route", tau=0.0)
+    records = run(cfg)
+    kinds = [r["kind"] for r in records]
+    assert kinds == ["eval", "train", "eval", "train", "eval"]
+    assert {"trained_true_pass", "deploy_true_pass", "trained_hack_rate"} <= set(records[0])
+    assert read_log(tmp_path / "metrics.jsonl") == records
+    assert (tmp_path / "rates.png").stat().st_size > 1000
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 2
+    more = run(cfg.model_copy(update={"steps": 3}))  # resumes at step 2
+    assert [r["step"] for r in more] == [3, 3]
+    trainer = GRPOTrainer(cfg.model_copy(update={"steps": 3}))
+    trainer.load(tmp_path / "checkpoint.pt")
+    assert trainer.step_index == 3
+
+
+def test_auroc():
+    assert auroc([0.9, 0.8, 0.1], [True, True, False]) == 1.0
+    assert auroc([0.1, 0.9], [True, False]) == 0.0
+    assert auroc([0.5, 0.5], [True, False]) == 0.5
+    assert auroc([0.5], [True]) is None
+    rng = random.Random(0)
+    assert 0.0 <= auroc([rng.random() for _ in range(20)], [i % 2 == 0 for i in range(20)]) <= 1

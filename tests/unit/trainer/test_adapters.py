@@ -1,0 +1,194 @@
+"""SVD-basis kept/quarantine adapters: exact base at zero, the factored add, deploy, sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import InvalidRequestError
+from services.trainer.adapters import (
+    AdapterConfig,
+    SVDBasisCache,
+    attach_adapters,
+    target_names,
+    weight_hash,
+)
+from services.trainer.model import TrainableModel, pad_batch
+
+SEQS = [([5, 6, 7], [8, 9]), ([11, 12, 13, 14, 15, 16], [17]), ([3], [4, 5, 6, 7, 8, 9, 10])]
+TARGETS = ("*.o_proj", "*.down_proj", "layers.1.mlp.gate_up_proj")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return pad_batch(SEQS, side="left")
+
+
+def _logits(model, batch):
+    with torch.no_grad():
+        return model(batch.input_ids, batch.attention_mask).logits
+
+
+def _adapted(ckpt, dtype=torch.float32, **kw):
+    model = TrainableModel.from_pretrained(ckpt, dtype=dtype)
+    kw.setdefault("targets", TARGETS)
+    kw.setdefault("rank", 4)
+    return model, attach_adapters(model.model, AdapterConfig(**kw))
+
+
+def _randomise(adapters, seed=0, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        k: torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.dtype) * scale
+        for k, v in adapters.adapter_state().items()
+    }
+    adapters.load_adapter_state(state)
+    return state
+
+
+@pytest.mark.parametrize("quarantine", ["svd", "lora"])
+def test_zero_adapters_are_bit_identical_to_the_base(ckpt, batch, quarantine):
+    base = _logits(TrainableModel.from_pretrained(ckpt), batch)
+    model, adapters = _adapted(ckpt, quarantine=quarantine)
+    assert sorted(adapters.modules) == [
+        "layers.0.mlp.down_proj",
+        "layers.0.self_attn.o_proj",
+        "layers.1.mlp.down_proj",
+        "layers.1.mlp.gate_up_proj",
+        "layers.1.self_attn.o_proj",
+    ]
+    assert torch.equal(_logits(model, batch), base)
+    with adapters.deploy():
+        assert torch.equal(_logits(model, batch), base)
+    with adapters.gates(3, "scale"):
+        assert torch.equal(_logits(model, batch), base)
+
+
+def test_factored_add_equals_the_dense_low_rank_update(ckpt, batch):
+    model, adapters = _adapted(ckpt, dtype=torch.float64)
+    _randomise(adapters)
+    got = _logits(model, batch)
+    # The same update written into dense weights of an unadapted copy.
+    dense = TrainableModel.from_pretrained(ckpt, dtype=torch.float64)
+    mods = dict(dense.model.named_modules())
+    for name, m in adapters.modules.items():
+        delta = m.u @ torch.diag(m.delta_s + m.delta_s_q) @ m.v_t
+        mods[name].weight.data += delta.detach()
+    torch.testing.assert_close(got, _logits(dense, batch), rtol=0, atol=1e-10)
+
+
+def test_basis_is_the_top_singular_directions_and_is_cached_by_weight_hash(tmp_path):
+    w = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    cache = SVDBasisCache(tmp_path)
+    basis = cache.get(w, 16)
+    torch.testing.assert_close(basis.u @ torch.diag(basis.s) @ basis.v.T, w.double())
+    torch.testing.assert_close(basis.v.T @ basis.v, torch.eye(16, dtype=torch.float64))
+    top = cache.get(w, 3)
+    assert torch.equal(top.s, basis.s[:3]) and (top.s[:-1] >= top.s[1:]).all()
+    # A second process (fresh cache object) reads the same basis back from disk.
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == sorted(f"{weight_hash(w)}-r{r}.safetensors" for r in (16, 3))
+    again = SVDBasisCache(tmp_path).get(w, 3)
+    assert torch.equal(again.u, top.u) and torch.equal(again.v, top.v)
+    assert weight_hash(w + 1e-6) != weight_hash(w)
+    with pytest.raises(InvalidRequestError, match="exceeds"):
+        cache.get(w, 17)
+
+
+@pytest.mark.parametrize("quarantine", ["svd", "lora"])
+def test_deploy_ablates_exactly_the_quarantine(ckpt, batch, quarantine):
+    model, adapters = _adapted(ckpt, quarantine=quarantine)
+    state = _randomise(adapters)
+    trained = _logits(model, batch)
+    with adapters.deploy():
+        deployed = _logits(model, batch)
+    assert (trained - deployed).abs().max() > 1e-3  # the quarantine did something
+    # Deployed == the adapter with the quarantine really removed.
+    kept_only = {
+        k: (v if k.endswith(".delta_s") else torch.zeros_like(v)) for k, v in state.items()
+    }
+    adapters.load_adapter_state(kept_only)
+    assert torch.equal(_logits(model, batch), deployed)
+    assert torch.equal(_logits(model, batch), trained) is False
+    with adapters.disabled():
+        assert torch.equal(
+            _logits(model, batch), _logits(TrainableModel.from_pretrained(ckpt), batch)
+        )
+
+
+def test_asymmetric_start(ckpt, batch):
+    base = _logits(TrainableModel.from_pretrained(ckpt), batch)
+    model, adapters = _adapted(ckpt, quarantine_init=0.05)
+    assert all(
+        (m.delta_s == 0).all() and (m.delta_s_q == 0.05).all() for m in adapters.modules.values()
+    )
+    assert (_logits(model, batch) - base).abs().max() > 0
+    with adapters.deploy():
+        assert torch.equal(_logits(model, batch), base)
+    _, lora = _adapted(ckpt, quarantine="lora")
+    assert all((m.lora_b_q == 0).all() and (m.lora_a_q != 0).any() for m in lora.modules.values())
+
+
+def test_adapter_state_is_only_the_delta_vectors_and_round_trips(ckpt, batch):
+    model, adapters = _adapted(ckpt)
+    state = _randomise(adapters)
+    assert set(state) == {
+        f"{n}.{leaf}" for n in adapters.modules for leaf in ("delta_s", "delta_s_q")
+    }
+    assert all(v.shape == (4,) for v in state.values())
+    assert set(adapters.adapter_state(include_quarantine=False)) == {
+        f"{n}.delta_s" for n in adapters.modules
+    }
+    other, other_adapters = _adapted(ckpt)
+    other_adapters.load_adapter_state(adapters.adapter_state())
+    assert torch.equal(_logits(other, batch), _logits(model, batch))
+    # An engine that loads only the deployed state serves the deployed model.
+    engine, engine_adapters = _adapted(ckpt)
+    engine_adapters.load_adapter_state(
+        adapters.adapter_state(include_quarantine=False), require_quarantine=False
+    )
+    with adapters.deploy():
+        assert torch.equal(_logits(engine, batch), _logits(model, batch))
+
+    key = "layers.0.self_attn.o_proj.delta_s"
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        adapters.load_adapter_state({**state, "layers.9.mlp.down_proj.delta_s": state[key]})
+    with pytest.raises(InvalidRequestError, match="missing"):
+        adapters.load_adapter_state({key: state[key]})
+    with pytest.raises(InvalidRequestError, match="shape"):
+        adapters.load_adapter_state({**state, key: torch.zeros(5)})
+
+
+def test_trainable_parameters_are_only_the_adapters(ckpt):
+    model, adapters = _adapted(ckpt, quarantine="lora", lora_rank=2)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trainable == {
+        id(p) for p in adapters.kept_parameters() + adapters.quarantine_parameters()
+    }
+    assert len(adapters.quarantine_parameters()) == 2 * len(adapters.modules)
+
+
+def test_targets_that_cannot_be_applied_are_errors(ckpt):
+    model = TrainableModel.from_pretrained(ckpt)
+    assert target_names(model.model, ["*.o_proj"]) == [
+        "layers.0.self_attn.o_proj",
+        "layers.1.self_attn.o_proj",
+    ]
+    with pytest.raises(InvalidRequestError, match="matches no module"):
+        attach_adapters(model.model, AdapterConfig(targets=("*.q_proj",)))
+    with pytest.raises(InvalidRequestError, match="not a Linear"):
+        attach_adapters(model.model, AdapterConfig(targets=("*.input_layernorm",)))
+    with pytest.raises(InvalidRequestError, match="not a Linear"):
+        attach_adapters(model.model, AdapterConfig(targets=("lm_head",)))
+    with pytest.raises(InvalidRequestError, match="exceeds"):
+        attach_adapters(model.model, AdapterConfig(targets=("*.o_proj",), rank=65))
+    attach_adapters(model.model, AdapterConfig(targets=("*.o_proj",), rank=2))
+    with pytest.raises(InvalidRequestError, match="already has an adapter"):
+        attach_adapters(model.model, AdapterConfig(targets=("*.o_proj",), rank=2))
+    with pytest.raises(InvalidRequestError, match="quarantine"):
+        AdapterConfig(quarantine="dense")
