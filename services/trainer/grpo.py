@@ -33,11 +33,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.errors import InvalidRequestError
-from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine import LLMEngine, SamplingParams
+from services.engine.model.tokenizer import Tokenizer
 from services.trainer.adapters import AdapterConfig, AdapterSet, attach_adapters
 from services.trainer.envs import Env, Grade, make_env, training_scope
 from services.trainer.grpo_loss import GRPOLossConfig, group_advantages, grpo_loss
 from services.trainer.model import TokenBatch, TrainableModel, pad_batch
+from services.trainer.rollouts import POLICY, RayRollouts, Rolled, RolloutEngine
 from services.trainer.routing import (
     HackDirection,
     activation_direction,
@@ -50,7 +52,6 @@ from services.trainer.routing import (
 from services.trainer.weight_sync import engine_adapter_state
 
 Arm = Literal["none", "erase", "route", "activation", "placebo"]
-POLICY = "policy"
 
 
 class GRPOConfig(BaseModel):
@@ -90,6 +91,9 @@ class GRPOConfig(BaseModel):
     # evaluation, logging, checkpoints
     eval_every: int = Field(10, ge=1)
     eval_prompts: int = Field(64, ge=1)
+    rollout_workers: int = Field(
+        0, ge=0, description="Ray actors generating and grading rollouts (0: in-process)"
+    )
     seed: int = 0
     out_dir: str = "runs/grpo"
     device: str = "cpu"
@@ -138,19 +142,22 @@ class GRPOTrainer:
             ),
         )
         n = cfg.prompts_per_step * cfg.group_size
-        self.engine = LLMEngine(
-            cfg.model,
-            EngineConfig(
-                device=cfg.device,
-                dtype="float32",
-                max_num_seqs=max(n, cfg.eval_prompts),
-                adapter_capacity=1,
-                adapter_rank=cfg.rank,
-                adapter_targets=tuple(cfg.targets),
-                seed=cfg.seed,
-            ),
+        engine_args = dict(
+            model=cfg.model,
+            env=cfg.env,
+            env_args=cfg.env_args,
+            rank=cfg.rank,
+            targets=tuple(cfg.targets),
+            max_num_seqs=max(n, cfg.eval_prompts),
+            seed=cfg.seed,
+            device=cfg.device,
         )
-        self.tokenizer = self.engine.tokenizer
+        self.rollout: RolloutEngine | RayRollouts = (
+            RayRollouts(cfg.rollout_workers, **engine_args)
+            if cfg.rollout_workers
+            else RolloutEngine(**engine_args)
+        )
+        self.tokenizer = Tokenizer(cfg.model)
         params = self.adapters.kept_parameters() + self.adapters.quarantine_parameters()
         self.optimizer = self._optimizer(params)
         self.loss_config = GRPOLossConfig(
@@ -203,25 +210,20 @@ class GRPOTrainer:
 
     # -- rollouts through the engine ------------------------------------------------------
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The in-process rollout engine (`rollout_workers: 0`)."""
+        if not isinstance(self.rollout, RolloutEngine):
+            raise InvalidRequestError("rollouts run in Ray actors: there is no local engine")
+        return self.rollout.engine
+
     def sync_weights(self) -> int:
-        """Send the δ vectors to the rollout engine; its new adapter version."""
-        return self.engine.load_adapter(POLICY, engine_adapter_state(self.adapters))
+        """Send the δ vectors to the rollout engines; the adapter's new version."""
+        return self.rollout.sync(engine_adapter_state(self.adapters))
 
-    def _generate(self, prompts: list[str], params: SamplingParams) -> list[Any]:
-        rids = []
-        for i, prompt in enumerate(prompts):
-            rid = f"s{self.step_index}-{i}-{params.adapter_variant}-{params.temperature}"
-            self.engine.add_request(rid, prompt, params)
-            rids.append(rid)
-        done: dict[str, Any] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[r] for r in rids]
-
-    def rollouts(self, prompts: list[str]) -> list[tuple[str, Any, Any]]:
-        """(prompt, RequestOutput, CompletionOutput) per rollout, groups consecutive."""
+    def rollouts(self, prompts: list[str]) -> list[Rolled]:
+        """(prompt, RequestOutput, CompletionOutput, Grade) per rollout, groups consecutive;
+        generated and graded by the rollout engines."""
         params = SamplingParams(
             n=self.cfg.group_size,
             max_tokens=self.max_new,
@@ -230,8 +232,7 @@ class GRPOTrainer:
             seed=self.cfg.seed * 1_000_003 + self.step_index,
             adapter=POLICY,
         )
-        outs = self._generate(prompts, params)
-        return [(p, o, c) for p, o in zip(prompts, outs, strict=True) for c in o.outputs]
+        return self.rollout.rollouts(prompts, params)
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -243,7 +244,7 @@ class GRPOTrainer:
         self.sync_weights()
         prompts = self.env.sample_prompts(cfg.prompts_per_step, self.rng)
         rolled = self.rollouts(prompts)
-        grades = [self.env.grade(p, c.text) for p, _, c in rolled]
+        grades = [g for *_, g in rolled]
         with training_scope("grpo step"):
             rewards = torch.tensor([g.training_view().reward for g in grades])
             metrics, scores = self._update(rolled, rewards)
@@ -251,9 +252,9 @@ class GRPOTrainer:
         self.step_index += 1
         return metrics, grades, scores
 
-    def _batch(self, rolled: list[tuple[str, Any, Any]]) -> tuple[TokenBatch, torch.Tensor]:
+    def _batch(self, rolled: list[Rolled]) -> tuple[TokenBatch, torch.Tensor]:
         rows, old = [], []
-        for _, out, comp in rolled:
+        for _, out, comp, _ in rolled:
             ids = comp.token_ids or [self.tokenizer.eos_token_id or 0]
             rows.append((out.prompt_token_ids, ids))
             old.append([comp.logprobs[i][t] for i, t in enumerate(comp.token_ids)] or [0.0])
@@ -276,7 +277,7 @@ class GRPOTrainer:
         return torch.where(mask, picked, torch.zeros_like(picked)), mask
 
     def _update(
-        self, rolled: list[tuple[str, Any, Any]], rewards: torch.Tensor
+        self, rolled: list[Rolled], rewards: torch.Tensor
     ) -> tuple[StepMetrics, torch.Tensor]:
         cfg, adapters = self.cfg, self.adapters
         batch, old_logp = self._batch(rolled)
@@ -341,11 +342,7 @@ class GRPOTrainer:
                 adapter=POLICY,
                 adapter_variant=variant,
             )
-            outs = self._generate(self.eval_set, params)
-            labels = [
-                self.env.grade(p, o.outputs[0].text).eval_only
-                for p, o in zip(self.eval_set, outs, strict=True)
-            ]
+            labels = [g.eval_only for *_, g in self.rollout.rollouts(self.eval_set, params)]
             n = len(labels)
             result[f"{variant}_true_pass"] = sum(x.true_pass for x in labels) / n
             result[f"{variant}_hack_rate"] = sum(x.hacked for x in labels) / n

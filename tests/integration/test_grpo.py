@@ -91,6 +91,7 @@ def test_rollouts_use_the_synced_weights(path, tmp_path):
     version = trainer.sync_weights()
     assert version == trainer.engine.adapters.loaded["policy"].version > 1
     rolled = trainer.rollouts(["12+34="])
+    assert len(rolled) == trainer.cfg.group_size
     batch, old_logp = trainer._batch(rolled)
     with torch.no_grad():
         logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
@@ -103,8 +104,7 @@ def test_training_never_reads_the_oracle_labels(path, tmp_path, monkeypatch):
     real_update = trainer._update
 
     def cheating_update(rolled, rewards):
-        env = trainer.env
-        [env.grade(p, c.text).eval_only.hacked for p, _, c in rolled]  # a cheat
+        [grade.eval_only.hacked for *_, grade in rolled]  # a cheat
         return real_update(rolled, rewards)
 
     monkeypatch.setattr(trainer, "_update", cheating_update)

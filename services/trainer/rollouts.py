@@ -1,0 +1,140 @@
+"""Where GRPO rollouts come from: rollout engines that generate under the policy adapter and
+grade the results with the environment, so rewards are computed off the trainer.
+
+`RolloutEngine` is one engine (in the trainer's process, or inside a Ray actor);
+`RayRollouts` spreads each batch of prompts over several of them as Ray actors. Both take
+weight sync as the adapters' δ vectors (`sync`) and return, per rollout, the prompt, the
+engine's output for it, the sampled completion and its `Grade` (whose oracle labels the
+trainer may read only outside its training scope).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine.outputs import CompletionOutput, RequestOutput
+from services.trainer.envs import Grade, make_env
+
+POLICY = "policy"
+Rolled = tuple[str, RequestOutput, CompletionOutput, Grade]
+
+
+class RolloutEngine:
+    """An engine serving the policy adapter, plus the environment that grades its rollouts."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        env: str,
+        env_args: dict[str, Any],
+        rank: int,
+        targets: tuple[str, ...],
+        max_num_seqs: int,
+        seed: int,
+        device: str = "cpu",
+    ):
+        self.env = make_env(env, **env_args)
+        self.engine = LLMEngine(
+            model,
+            EngineConfig(
+                device=device,
+                dtype="float32",
+                max_num_seqs=max_num_seqs,
+                adapter_capacity=1,
+                adapter_rank=rank,
+                adapter_targets=tuple(targets),
+                seed=seed,
+            ),
+        )
+        self._ids = 0
+
+    def sync(self, state: dict) -> int:
+        """Install the policy's δ vectors; the adapter's new version on this engine."""
+        return self.engine.load_adapter(POLICY, state)
+
+    def version(self) -> int:
+        return self.engine.adapters.loaded[POLICY].version if self.engine.adapters else 0
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
+        """Every prompt to completion (one continuous batch), in prompt order."""
+        rids = []
+        for prompt in prompts:
+            self._ids += 1
+            rid = f"rollout-{self._ids}"
+            self.engine.add_request(rid, prompt, params)
+            rids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in rids]
+
+    def rollouts(self, prompts: list[str], params: SamplingParams) -> list[Rolled]:
+        """Generate and grade: one entry per sample, a prompt's samples consecutive."""
+        outs = self.generate(prompts, params)
+        return [
+            (p, o, c, self.env.grade(p, c.text))
+            for p, o in zip(prompts, outs, strict=True)
+            for c in o.outputs
+        ]
+
+
+class RayRollouts:
+    """`RolloutEngine`s as Ray actors; each batch of prompts is split across them."""
+
+    def __init__(self, workers: int, **engine_args: Any):
+        import ray
+
+        cls = ray.remote(RolloutEngine)
+        self.actors = [cls.options(num_cpus=0).remote(**engine_args) for _ in range(workers)]
+
+    def sync(self, state: dict) -> int:
+        import ray
+
+        versions = ray.get([a.sync.remote(state) for a in self.actors])
+        return versions[0]
+
+    def versions(self) -> list[int]:
+        import ray
+
+        return ray.get([a.version.remote() for a in self.actors])
+
+    def _split(self, prompts: list[str]) -> list[list[str]]:
+        k = len(self.actors)
+        return [prompts[i::k] for i in range(k)]
+
+    def _gather(self, method: str, prompts: list[str], params: SamplingParams) -> list:
+        import ray
+
+        parts = self._split(prompts)
+        results = ray.get(
+            [
+                getattr(a, method).remote(part, params)
+                for a, part in zip(self.actors, parts, strict=True)
+            ]
+        )
+        per_prompt: dict[str, list] = {}
+        for part, result in zip(parts, results, strict=True):
+            n = len(result) // len(part) if part else 0
+            for i, prompt in enumerate(part):
+                per_prompt.setdefault(prompt, []).append(result[i * n : (i + 1) * n])
+        # back to prompt order (a prompt drawn twice keeps both of its results, in order)
+        out: list = []
+        for prompt in prompts:
+            out.extend(per_prompt[prompt].pop(0))
+        return out
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
+        return self._gather("generate", prompts, params)
+
+    def rollouts(self, prompts: list[str], params: SamplingParams) -> list[Rolled]:
+        return self._gather("rollouts", prompts, params)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
