@@ -20,11 +20,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import (
-    GRPC_ERROR_METADATA_KEY,
     CoxswainError,
     InvalidRequestError,
     ServiceUnavailableError,
-    error_from_grpc,
+    error_from_rpc,
 )
 from services.engine.interventions.spec import parse_steering
 from services.engine.outputs import RequestOutput
@@ -87,14 +86,7 @@ def _steering_spec(spec: Any) -> pb.SteeringSpec:
 
 
 def _error(e: grpc.RpcError, target: str) -> CoxswainError:
-    """Our exception for a failed call, of the class the server named when it named one."""
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = (e.details() if hasattr(e, "details") else None) or str(e)
-    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-    error_name = dict(trailing or ()).get(GRPC_ERROR_METADATA_KEY)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        details = f"engine at {target}: {details}"
-    return error_from_grpc(code.name, details, error_name)
+    return error_from_rpc(e, f"engine at {target}")
 
 
 class CoxswainClient:

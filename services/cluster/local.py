@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidRequestError, ServiceUnavailableError
+from services.common.net import free_port
 
 CLUSTER_DIR = Path.home() / ".cache" / "coxswain" / "cluster"
 APP_NAME = "coxswain"
@@ -58,7 +59,7 @@ def _start_redis(state: dict) -> str:
     exe = shutil.which("redis-server")
     if exe is None:
         raise ServiceUnavailableError("no Redis is reachable and redis-server is not installed")
-    port = 6379 if not _port_taken(6379) else _free_port()
+    port = 6379 if not _port_taken(6379) else free_port()
     CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
     pidfile = CLUSTER_DIR / "redis.pid"
     subprocess.run(
@@ -82,14 +83,6 @@ def _port_taken(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api_keys(opts: UpOptions, state: dict) -> tuple[str, dict[str, str]]:
@@ -130,7 +123,7 @@ def up(opts: UpOptions) -> dict[str, Any]:
     model = str(resolve_model(opts.model))  # build the tiny model once, before replicas race
 
     # Ray's GCS defaults to 6379, Redis's port: give it its own.
-    cmd = ["ray", "start", "--head", f"--port={_free_port()}", "--disable-usage-stats"]
+    cmd = ["ray", "start", "--head", f"--port={free_port()}", "--disable-usage-stats"]
     cmd.append("--include-dashboard=false")
     if opts.num_cpus is not None:
         cmd.append(f"--num-cpus={opts.num_cpus}")

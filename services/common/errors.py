@@ -145,6 +145,24 @@ def error_from_grpc(code_name: str, message: str, error_name: str | None = None)
     return cls(f"{message} (gRPC {code_name})" if cls is CoxswainError else message)
 
 
+def error_from_rpc(e: BaseException, where: str, *, limit_hint: str = "") -> CoxswainError:
+    """The exception a failed gRPC call (`grpc.RpcError`, blocking or asyncio) stands for:
+    the class the server named in trailing metadata, else the class for its status code.
+    Unreachable and timed-out calls name `where` (e.g. "engine at host:port"); `limit_hint`
+    is added when gRPC itself refused a message as too large (no class named)."""
+    import grpc
+
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else None) or str(e)
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    error_name = dict(trailing or ()).get(GRPC_ERROR_METADATA_KEY)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        details = f"{where}: {details}"
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_name is None and limit_hint:
+        details = f"{where}: {details}; {limit_hint}"
+    return error_from_grpc(code.name, details, error_name)
+
+
 def _error_classes() -> dict[str, type[CoxswainError]]:
     found: dict[str, type[CoxswainError]] = {}
     todo: list[type[CoxswainError]] = [CoxswainError]

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import GRPC_ERROR_METADATA_KEY, CoxswainError, error_from_grpc
+from services.common.errors import CoxswainError, error_from_rpc
 from services.controller import convert
 from services.controller.policies import parse_policy
 from services.proto.coxswain.v1 import controller_pb2 as pb
@@ -69,10 +69,4 @@ class ControllerClient:
 
 
 def _error(e: grpc.RpcError, address: str) -> CoxswainError:
-    """Our exception for a failed call, of the class the server named when it named one."""
-    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (e.details() if isinstance(e, grpc.Call) else None) or str(e)
-    trailing = dict(e.trailing_metadata() or ()) if isinstance(e, grpc.Call) else {}
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        details = f"controller at {address}: {details}"
-    return error_from_grpc(code.name, details, trailing.get(GRPC_ERROR_METADATA_KEY))
+    return error_from_rpc(e, f"controller at {address}")

@@ -7,7 +7,6 @@ engine link and the controller must survive. Production deployments run their ow
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,13 +15,7 @@ from pathlib import Path
 import redis
 
 from services.common.errors import ServiceUnavailableError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from services.common.net import free_port
 
 
 class RedisServer:

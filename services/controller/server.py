@@ -18,17 +18,14 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import ApiKeys, Scope
 from services.common.errors import GRPC_ERROR_METADATA_KEY, CoxswainError, grpc_status
+from services.common.grpc_serving import GrpcServer, start_grpc_server
 from services.controller import convert
 from services.controller.controller import Controller
 from services.proto.coxswain.v1 import controller_pb2 as pb
@@ -92,24 +89,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return convert.status_to_proto(self.controller.status())
 
 
-@dataclass
-class ControllerServer:
-    """A started server: its gRPC server, bound address, and health servicer."""
-
-    server: grpc.Server
-    host: str
-    port: int
-    health: health.HealthServicer
-
-    @property
-    def address(self) -> str:
-        """`host:port` for a client (IPv6 hosts in brackets)."""
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    def stop(self, grace_s: float | None = 2.0) -> None:
-        """Report NOT_SERVING, let calls in flight finish for `grace_s`, then stop."""
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+ControllerServer = GrpcServer  # what `serve` returns: `address`, `stop()`, `wait()`
 
 
 def serve(
@@ -122,27 +102,16 @@ def serve(
 ) -> ControllerServer:
     """Serve `controller` on `host:port` (port 0: any free port) with Health and reflection.
     `keys` (default: none, auth off) are checked on every Controller call."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers, thread_name_prefix="controller-grpc"),
-        options=[("grpc.so_reuseport", 0)],  # a port in use is an error, not a shared port
+    return start_grpc_server(
+        "controller",
+        SERVICE_NAME,
+        lambda server: pb_grpc.add_ControllerServicer_to_server(
+            ControllerServicer(controller, keys), server
+        ),
+        host,
+        port,
+        max_workers=max_workers,
     )
-    pb_grpc.add_ControllerServicer_to_server(ControllerServicer(controller, keys), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    try:
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    except RuntimeError as e:  # grpc raises when it cannot bind
-        raise CoxswainError(f"controller cannot listen on {host}:{port}: {e}") from None
-    if bound == 0:
-        raise CoxswainError(f"controller cannot listen on {host}:{port}")
-    server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("controller serving on %s:%d", host, bound)
-    return ControllerServer(server=server, host=host, port=bound, health=health_servicer)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.common.errors import ServiceUnavailableError
+from services.common.net import free_port
 
 
 class EngineRank:
@@ -29,15 +30,9 @@ class EngineRank:
 
     def address(self) -> str:
         """A `tcp://ip:port` on this rank's node for the replica's process group."""
-        import socket
-
         import ray
 
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
 
     def start(
         self,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
-import socket
 import threading
 import traceback
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from services.common.net import free_port
 from services.engine.interventions.actions import Action
 from services.engine.parallel import ParallelContext
 
@@ -208,7 +208,7 @@ def launch_local(
     the other ranks step in lock-step until it returns. For tests and single-host scripts:
     clusters use the Ray actors in `services/engine/actors.py`."""
     mp = torch.multiprocessing.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     results = mp.Queue()
     procs = [
         mp.Process(
@@ -264,9 +264,3 @@ def _local_rank(
             sync.stop()
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -359,16 +359,14 @@ class LLMEngine:
 
     def _plan_adapters(self, sched: Any) -> None:
         """Each token's row in the adapted Linears' δ tables (None: no token uses one)."""
-        rows: list[int] = []
-        for s in sched.scheduled:
-            rows += [s.seq.group.adapter_row] * s.num_tokens
         bank = self.adapters
         assert bank is not None
-        bank.step_rows = (
-            torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-            if any(rows)
-            else None
-        )
+        bank.step_rows = None
+        if any(s.seq.group.adapter_row for s in sched.scheduled):  # else no per-token list
+            rows: list[int] = []
+            for s in sched.scheduled:
+                rows += [s.seq.group.adapter_row] * s.num_tokens
+            bank.step_rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _append_token(
         self,

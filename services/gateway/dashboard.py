@@ -13,17 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Security
+from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
-from services.common.auth import ApiKey, ApiKeys
+from services.common.auth import ApiKeys
 from services.common.errors import CoxswainError
 from services.engine.interventions.sites import SITES
 from services.engine.service import EngineService
+from services.gateway.http_auth import require
 from services.patch_store.store import Manifest
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -33,12 +33,6 @@ ASSETS = {
     "dashboard.css": "text/css; charset=utf-8",
 }
 MAX_RUNS_LISTED = 50  # stored runs in a snapshot (most recently used first)
-
-_bearer = HTTPBearer(
-    auto_error=False,
-    scheme_name="ApiKey",
-    description="A Coxswain API key (read or admin scope).",
-)
 
 
 # -- the snapshot ------------------------------------------------------------------------------
@@ -373,12 +367,6 @@ def dashboard_router(
     # Browsers revalidate on each load, so an upgraded gateway's page is seen at once.
     no_cache = {"Cache-Control": "no-cache"}
 
-    def read_key(
-        request: Request,
-        _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
-    ) -> ApiKey | None:
-        return keys.check(request.headers.get("authorization"), "read")
-
     router = APIRouter(tags=["service"])
 
     @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
@@ -396,7 +384,7 @@ def dashboard_router(
     @router.get(
         "/v1/dashboard/state",
         response_model=DashboardState,
-        dependencies=[Depends(read_key)],
+        dependencies=[require(keys, "read")],
         summary="Dashboard snapshot",
         description="One snapshot for the `/dashboard` page: engine throughput and prefix-"
         "cache hit rate, steering tiers and monitors, gate firing rates by layer, action-"

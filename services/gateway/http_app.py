@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Security
+from fastapi import APIRouter, FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from services.common.auth import ApiKey, ApiKeys, Scope
+from services.common.auth import ApiKeys
 from services.common.errors import NotFoundError
 from services.engine.interventions.spec import SteeringSpec
 from services.engine.service import EngineService
@@ -36,6 +35,7 @@ from services.gateway.coxswain_api import (
     VectorRemoved,
 )
 from services.gateway.dashboard import dashboard_router
+from services.gateway.http_auth import require
 from services.gateway.http_errors import install_error_handlers
 from services.gateway.metrics import EngineCollector, RequestMetrics
 from services.gateway.openai_api import (
@@ -93,12 +93,6 @@ SSE: dict[int | str, dict[str, Any]] = {
     }
 }
 
-_bearer = HTTPBearer(
-    auto_error=False,
-    scheme_name="ApiKey",
-    description="A Coxswain API key (read or admin scope).",
-)
-
 
 def build_app(
     backend: EngineService, keys: ApiKeys, *, patch_store: Any = None, title: str = "Coxswain"
@@ -120,16 +114,7 @@ def build_app(
     app.state.backend = backend
     app.state.registry = registry
 
-    def require(scope: Scope):
-        def check(
-            request: Request,
-            _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
-        ) -> ApiKey | None:
-            return keys.check(request.headers.get("authorization"), scope)
-
-        return Depends(check)
-
-    read, admin = require("read"), require("admin")
+    read, admin = require(keys, "read"), require(keys, "admin")
     openai = APIRouter(tags=["openai"], dependencies=[read])
     steering = APIRouter(tags=["steering"])
     vectors = APIRouter(tags=["vectors"])

@@ -16,11 +16,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import (
-    GRPC_ERROR_METADATA_KEY,
     CoxswainError,
     InvalidRequestError,
     ServiceUnavailableError,
-    error_from_grpc,
+    error_from_rpc,
 )
 from services.patch_store import convert
 from services.patch_store.server import DEFAULT_MAX_MESSAGE_BYTES
@@ -162,16 +161,9 @@ def _message(cls: Callable[..., Any], **fields: Any) -> Any:
 
 
 def _error(e: grpc.RpcError, address: str) -> CoxswainError:
-    """Our exception for a failed call, of the class the server named when it named one."""
-    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (e.details() if isinstance(e, grpc.Call) else None) or str(e)
-    trailing = dict(e.trailing_metadata() or ()) if isinstance(e, grpc.Call) else {}
-    error_name = trailing.get(GRPC_ERROR_METADATA_KEY)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        details = f"patch store at {address}: {details}"
-    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_name is None:  # gRPC's own limit
-        details = (
-            f"patch store at {address}: {details}; raise the server's max message size, lower "
-            "the client's chunk_bytes, or ask for fewer rows per get_rows"
-        )
-    return error_from_grpc(code.name, details, error_name)
+    return error_from_rpc(
+        e,
+        f"patch store at {address}",
+        limit_hint="raise the server's max message size, lower the client's chunk_bytes, or "
+        "ask for fewer rows per get_rows",
+    )

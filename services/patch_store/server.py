@@ -6,19 +6,16 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from concurrent import futures
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import (
     GRPC_ERROR_METADATA_KEY,
     CoxswainError,
     grpc_status,
 )
+from services.common.grpc_serving import GrpcServer, start_grpc_server
 from services.patch_store import convert
 from services.patch_store.store import PatchStore
 from services.proto.coxswain.v1 import patch_store_pb2 as pb
@@ -108,28 +105,7 @@ class PatchStoreServicer(pb_grpc.PatchStoreServicer):
         return convert.stats_to_proto(self.store.stats())
 
 
-@dataclass
-class PatchStoreServer:
-    """A started server: its gRPC server, bound address, and health servicer."""
-
-    server: grpc.Server
-    host: str
-    port: int
-    health: health.HealthServicer
-
-    @property
-    def address(self) -> str:
-        """`host:port` for `PatchStoreClient` (IPv6 hosts in brackets)."""
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    def stop(self, grace_s: float | None = 2.0) -> None:
-        """Report NOT_SERVING, let calls in flight finish for `grace_s`, then stop."""
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until the server stops (True) or `timeout_s` passes (False)."""
-        return self.server.wait_for_termination(timeout_s)
+PatchStoreServer = GrpcServer  # what `serve` returns: `address`, `stop()`, `wait()`
 
 
 def serve(
@@ -142,28 +118,15 @@ def serve(
 ) -> PatchStoreServer:
     """Start serving `store` on `host:port` (port 0: any free port) with Health and reflection.
     Messages over `max_message_bytes` either way are refused with RESOURCE_EXHAUSTED."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers, thread_name_prefix="patch-store"),
+    return start_grpc_server(
+        "patch store",
+        SERVICE_NAME,
+        lambda server: pb_grpc.add_PatchStoreServicer_to_server(PatchStoreServicer(store), server),
+        host,
+        port,
+        max_workers=max_workers,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
         ],
     )
-    pb_grpc.add_PatchStoreServicer_to_server(PatchStoreServicer(store), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    try:
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    except RuntimeError as e:  # grpc raises when it cannot bind
-        raise CoxswainError(f"patch store cannot listen on {host}:{port}: {e}") from None
-    if bound == 0:
-        raise CoxswainError(f"patch store cannot listen on {host}:{port}")
-    server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("patch store serving on %s:%d", host, bound)
-    return PatchStoreServer(server=server, host=host, port=bound, health=health_servicer)

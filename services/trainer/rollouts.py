@@ -102,29 +102,25 @@ class RayRollouts:
 
         return ray.get([a.version.remote() for a in self.actors])
 
-    def _split(self, prompts: list[str]) -> list[list[str]]:
-        k = len(self.actors)
-        return [prompts[i::k] for i in range(k)]
-
     def _gather(self, method: str, prompts: list[str], params: SamplingParams) -> list:
+        """Prompt j goes to actor j % k; results come back in prompt order, each prompt's
+        samples consecutive."""
         import ray
 
-        parts = self._split(prompts)
+        k = len(self.actors)
+        parts = [prompts[i::k] for i in range(k)]
         results = ray.get(
             [
                 getattr(a, method).remote(part, params)
                 for a, part in zip(self.actors, parts, strict=True)
             ]
         )
-        per_prompt: dict[str, list] = {}
-        for part, result in zip(parts, results, strict=True):
-            n = len(result) // len(part) if part else 0
-            for i, prompt in enumerate(part):
-                per_prompt.setdefault(prompt, []).append(result[i * n : (i + 1) * n])
-        # back to prompt order (a prompt drawn twice keeps both of its results, in order)
         out: list = []
-        for prompt in prompts:
-            out.extend(per_prompt[prompt].pop(0))
+        for j in range(len(prompts)):
+            result, part = results[j % k], parts[j % k]
+            n = len(result) // len(part)  # results per prompt (samples, or 1 output)
+            i = j // k
+            out.extend(result[i * n : (i + 1) * n])
         return out
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
