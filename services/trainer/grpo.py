@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -382,10 +383,17 @@ class GRPOTrainer:
         self.step_index = state["step"]
 
 
-def run(config: GRPOConfig, *, resume: bool = True, progress: bool = False) -> list[dict]:
+def run(
+    config: GRPOConfig,
+    *,
+    resume: bool = True,
+    progress: bool = False,
+    on_record: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Train for `config.steps`, logging one JSON line per step (and per evaluation) to
     `<out_dir>/metrics.jsonl`; resumes from `<out_dir>/checkpoint.pt` when present. Returns
-    the log records; writes `<out_dir>/rates.png` at the end."""
+    the log records; writes `<out_dir>/rates.png` at the end. `on_record` sees every record
+    as it is logged (e.g. to export it as Prometheus metrics)."""
     trainer = GRPOTrainer(config)
     ckpt = trainer.out / "checkpoint.pt"
     log_path = trainer.out / "metrics.jsonl"
@@ -405,6 +413,8 @@ def run(config: GRPOConfig, *, resume: bool = True, progress: bool = False) -> l
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
+            if on_record is not None:
+                on_record(record)
 
         if trainer.step_index == 0:
             emit({"step": 0, "kind": "eval", **trainer.evaluate()})
