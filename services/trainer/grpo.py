@@ -31,16 +31,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.errors import InvalidRequestError
 from services.engine import LLMEngine, SamplingParams
 from services.engine.model.tokenizer import Tokenizer
 from services.trainer.adapters import AdapterConfig, AdapterSet, attach_adapters
+from services.trainer.async_rollouts import AsyncRollouts
 from services.trainer.envs import Env, Grade, make_env, training_scope
 from services.trainer.grpo_loss import GRPOLossConfig, group_advantages, grpo_loss
 from services.trainer.model import TokenBatch, TrainableModel, pad_batch
-from services.trainer.rollouts import POLICY, RayRollouts, Rolled, RolloutEngine
+from services.trainer.rollouts import POLICY, RayRollouts, Rollout, RolloutEngine
 from services.trainer.routing import (
     HackDirection,
     activation_direction,
@@ -95,9 +96,29 @@ class GRPOConfig(BaseModel):
     rollout_workers: int = Field(
         0, ge=0, description="Ray actors generating and grading rollouts (0: in-process)"
     )
+    rollout_mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="async: the workers stream rollouts through Redis while the trainer trains",
+    )
+    redis_url: str | None = Field(None, description="Redis for async rollouts")
+    max_staleness: int = Field(
+        1, ge=0, description="async: drop groups sampled more than this many steps ago"
+    )
+    max_queued_groups: int | None = Field(
+        None, ge=1, description="async: producers pause at this backlog (default 2 steps' worth)"
+    )
     seed: int = 0
     out_dir: str = "runs/grpo"
     device: str = "cpu"
+
+    @model_validator(mode="after")
+    def _async_needs_workers_and_redis(self) -> GRPOConfig:
+        if self.rollout_mode == "async" and (self.rollout_workers < 1 or not self.redis_url):
+            raise ValueError(
+                "rollout_mode 'async' needs rollout_workers >= 1 and a redis_url "
+                "(producers stream rollouts through Redis)"
+            )
+        return self
 
 
 @dataclass
@@ -110,6 +131,8 @@ class StepMetrics:
     flagged: float
     leakage: float
     seconds: float
+    staleness: float = 0.0  # mean policy-version lag of the step's groups (async rollouts)
+    dropped_stale: int = 0  # groups dropped as too stale (async rollouts)
 
 
 def auroc(scores: list[float], labels: list[bool]) -> float | None:
@@ -153,11 +176,24 @@ class GRPOTrainer:
             seed=cfg.seed,
             device=cfg.device,
         )
-        self.rollout: RolloutEngine | RayRollouts = (
-            RayRollouts(cfg.rollout_workers, **engine_args)
-            if cfg.rollout_workers
-            else RolloutEngine(**engine_args)
-        )
+        self.rollout: RolloutEngine | RayRollouts | AsyncRollouts
+        if cfg.rollout_mode == "async":
+            assert cfg.redis_url is not None  # checked by the config
+            self.rollout = AsyncRollouts(
+                cfg.redis_url,
+                cfg.rollout_workers,
+                group_size=cfg.group_size,
+                max_new_tokens=self.max_new,
+                temperature=cfg.temperature,
+                prompts_per_batch=max(1, cfg.prompts_per_step // cfg.rollout_workers),
+                max_staleness=cfg.max_staleness,
+                max_queued_groups=cfg.max_queued_groups or 2 * cfg.prompts_per_step,
+                **engine_args,
+            )
+        elif cfg.rollout_workers:
+            self.rollout = RayRollouts(cfg.rollout_workers, **engine_args)
+        else:
+            self.rollout = RolloutEngine(**engine_args)
         self.tokenizer = Tokenizer(cfg.model)
         params = self.adapters.kept_parameters() + self.adapters.quarantine_parameters()
         self.optimizer = self._optimizer(params)
@@ -219,12 +255,16 @@ class GRPOTrainer:
         return self.rollout.engine
 
     def sync_weights(self) -> int:
-        """Send the δ vectors to the rollout engines; the adapter's new version."""
-        return self.rollout.sync(engine_adapter_state(self.adapters))
+        """Send the δ vectors to the rollout engines; the adapter's new version (async: the
+        policy version, i.e. this step's index, published for the producers to pull)."""
+        state = engine_adapter_state(self.adapters)
+        if isinstance(self.rollout, AsyncRollouts):
+            return self.rollout.publish(self.step_index, state)
+        return self.rollout.sync(state)
 
-    def rollouts(self, prompts: list[str]) -> list[Rolled]:
-        """(prompt, RequestOutput, CompletionOutput, Grade) per rollout, groups consecutive;
-        generated and graded by the rollout engines."""
+    def rollouts(self, prompts: list[str]) -> list[Rollout]:
+        """One `Rollout` per sample, groups consecutive; generated and graded by the rollout
+        engines under the current weights."""
         params = SamplingParams(
             n=self.cfg.group_size,
             max_tokens=self.max_new,
@@ -243,22 +283,27 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         cfg = self.cfg
         self.sync_weights()
-        prompts = self.env.sample_prompts(cfg.prompts_per_step, self.rng)
-        rolled = self.rollouts(prompts)
-        grades = [g for *_, g in rolled]
+        if isinstance(self.rollout, AsyncRollouts):
+            rolled, took = self.rollout.take(cfg.prompts_per_step, self.step_index)
+        else:
+            rolled = self.rollouts(self.env.sample_prompts(cfg.prompts_per_step, self.rng))
+            took = None
+        grades = [r.grade for r in rolled]
         with training_scope("grpo step"):
             rewards = torch.tensor([g.training_view().reward for g in grades])
             metrics, scores = self._update(rolled, rewards)
         metrics.seconds = time.perf_counter() - t0
+        if took is not None:
+            metrics.staleness, metrics.dropped_stale = took.staleness, took.dropped
         self.step_index += 1
         return metrics, grades, scores
 
-    def _batch(self, rolled: list[Rolled]) -> tuple[TokenBatch, torch.Tensor]:
+    def _batch(self, rolled: list[Rollout]) -> tuple[TokenBatch, torch.Tensor]:
         rows, old = [], []
-        for _, out, comp, _ in rolled:
-            ids = comp.token_ids or [self.tokenizer.eos_token_id or 0]
-            rows.append((out.prompt_token_ids, ids))
-            old.append([comp.logprobs[i][t] for i, t in enumerate(comp.token_ids)] or [0.0])
+        for r in rolled:
+            ids = r.token_ids or [self.tokenizer.eos_token_id or 0]
+            rows.append((r.prompt_token_ids, ids))
+            old.append(r.logprobs or [0.0])
         batch = pad_batch(rows).to(self.model.device)
         width = max(len(o) for o in old)
         old_logp = torch.zeros(len(old), width)
@@ -278,7 +323,7 @@ class GRPOTrainer:
         return torch.where(mask, picked, torch.zeros_like(picked)), mask
 
     def _update(
-        self, rolled: list[Rolled], rewards: torch.Tensor
+        self, rolled: list[Rollout], rewards: torch.Tensor
     ) -> tuple[StepMetrics, torch.Tensor]:
         cfg, adapters = self.cfg, self.adapters
         batch, old_logp = self._batch(rolled)
@@ -343,11 +388,16 @@ class GRPOTrainer:
                 adapter=POLICY,
                 adapter_variant=variant,
             )
-            labels = [g.eval_only for *_, g in self.rollout.rollouts(self.eval_set, params)]
+            labels = [r.grade.eval_only for r in self.rollout.rollouts(self.eval_set, params)]
             n = len(labels)
             result[f"{variant}_true_pass"] = sum(x.true_pass for x in labels) / n
             result[f"{variant}_hack_rate"] = sum(x.hacked for x in labels) / n
         return result
+
+    def close(self) -> None:
+        """Stop the rollout actors (and, async, the producers and the run's Redis keys)."""
+        if isinstance(self.rollout, (RayRollouts, AsyncRollouts)):
+            self.rollout.shutdown()
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -395,6 +445,20 @@ def run(
     the log records; writes `<out_dir>/rates.png` at the end. `on_record` sees every record
     as it is logged (e.g. to export it as Prometheus metrics)."""
     trainer = GRPOTrainer(config)
+    try:
+        return _train(trainer, resume=resume, progress=progress, on_record=on_record)
+    finally:
+        trainer.close()
+
+
+def _train(
+    trainer: GRPOTrainer,
+    *,
+    resume: bool,
+    progress: bool,
+    on_record: Callable[[dict], None] | None,
+) -> list[dict]:
+    config = trainer.cfg
     ckpt = trainer.out / "checkpoint.pt"
     log_path = trainer.out / "metrics.jsonl"
     if resume and ckpt.is_file():
@@ -429,7 +493,7 @@ def run(
                     "step": trainer.step_index,
                     "rollout_hack_rate": sum(hacked) / len(hacked),
                     "rollout_true_pass": sum(x.true_pass for x in labels) / len(labels),
-                    "gate_auroc": auroc(scores.tolist(), hacked) if config.arm != "none" else None,
+                    "gate_auroc": None if config.arm == "none" else auroc(scores.tolist(), hacked),
                 }
             )
             if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:

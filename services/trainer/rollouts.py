@@ -3,21 +3,37 @@ grade the results with the environment, so rewards are computed off the trainer.
 
 `RolloutEngine` is one engine (in the trainer's process, or inside a Ray actor);
 `RayRollouts` spreads each batch of prompts over several of them as Ray actors. Both take
-weight sync as the adapters' δ vectors (`sync`) and return, per rollout, the prompt, the
-engine's output for it, the sampled completion and its `Grade` (whose oracle labels the
-trainer may read only outside its training scope).
+weight sync as the adapters' δ vectors (`sync`) and return one `Rollout` per sample: the
+prompt and completion tokens, the sampled tokens' logprobs (the old policy of the PPO ratio)
+and its `Grade` (whose oracle labels the trainer may read only outside its training scope).
+The asynchronous path through a Redis stream is in `async_rollouts.py`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from services.engine import EngineConfig, LLMEngine, SamplingParams
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.outputs import RequestOutput
 from services.trainer.envs import Grade, make_env
 
 POLICY = "policy"
-Rolled = tuple[str, RequestOutput, CompletionOutput, Grade]
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of a prompt, graded. `logprobs[i]` is the sampling policy's
+    logprob of `token_ids[i]`; `policy_version` is the trainer step whose weights sampled it
+    (the asynchronous path uses it to bound staleness)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    grade: Grade
+    policy_version: int = 0
 
 
 class RolloutEngine:
@@ -72,11 +88,24 @@ class RolloutEngine:
                     done[out.request_id] = out
         return [done[r] for r in rids]
 
-    def rollouts(self, prompts: list[str], params: SamplingParams) -> list[Rolled]:
-        """Generate and grade: one entry per sample, a prompt's samples consecutive."""
+    def rollouts(
+        self, prompts: list[str], params: SamplingParams, policy_version: int = 0
+    ) -> list[Rollout]:
+        """Generate and grade: one entry per sample, a prompt's samples consecutive. Needs
+        `params.logprobs` set (the sampled tokens' logprobs are the PPO ratio's old policy)."""
         outs = self.generate(prompts, params)
         return [
-            (p, o, c, self.env.grade(p, c.text))
+            Rollout(
+                prompt=p,
+                prompt_token_ids=o.prompt_token_ids,
+                token_ids=list(c.token_ids),
+                logprobs=[c.logprobs[i][t] for i, t in enumerate(c.token_ids)]
+                if c.logprobs is not None
+                else [],
+                text=c.text,
+                grade=self.env.grade(p, c.text),
+                policy_version=policy_version,
+            )
             for p, o in zip(prompts, outs, strict=True)
             for c in o.outputs
         ]
@@ -102,35 +131,32 @@ class RayRollouts:
 
         return ray.get([a.version.remote() for a in self.actors])
 
-    def _gather(self, method: str, prompts: list[str], params: SamplingParams) -> list:
-        """Prompt j goes to actor j % k; results come back in prompt order, each prompt's
-        samples consecutive."""
-        import ray
-
-        k = len(self.actors)
-        parts = [prompts[i::k] for i in range(k)]
-        results = ray.get(
-            [
-                getattr(a, method).remote(part, params)
-                for a, part in zip(self.actors, parts, strict=True)
-            ]
-        )
-        out: list = []
-        for j in range(len(prompts)):
-            result, part = results[j % k], parts[j % k]
-            n = len(result) // len(part)  # results per prompt (samples, or 1 output)
-            i = j // k
-            out.extend(result[i * n : (i + 1) * n])
-        return out
-
     def generate(self, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
-        return self._gather("generate", prompts, params)
+        return gather(self.actors, "generate", prompts, params)
 
-    def rollouts(self, prompts: list[str], params: SamplingParams) -> list[Rolled]:
-        return self._gather("rollouts", prompts, params)
+    def rollouts(self, prompts: list[str], params: SamplingParams) -> list[Rollout]:
+        return gather(self.actors, "rollouts", prompts, params)
 
     def shutdown(self) -> None:
         import ray
 
         for a in self.actors:
             ray.kill(a)
+
+
+def gather(actors: list, method: str, prompts: list[str], params: SamplingParams) -> list:
+    """Call `method(part, params)` on Ray actors, prompt j going to actor j % k; the results
+    come back in prompt order, each prompt's samples (or its one output) consecutive."""
+    import ray
+
+    k = len(actors)
+    parts = [prompts[i::k] for i in range(k)]
+    busy = [(a, part) for a, part in zip(actors, parts, strict=True) if part]
+    results = ray.get([getattr(a, method).remote(part, params) for a, part in busy])
+    out: list = []
+    for j in range(len(prompts)):
+        result, part = results[j % k], parts[j % k]  # actors with no part come last
+        n = len(result) // len(part)  # results per prompt
+        i = j // k
+        out.extend(result[i * n : (i + 1) * n])
+    return out

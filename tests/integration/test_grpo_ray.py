@@ -39,8 +39,8 @@ def test_ray_rollout_workers(ray_cluster, tiny_checkpoint, tmp_path):
     assert trainer.rollout.versions() == [version, version]
     prompts = ["12+34=", "5+6=", "70+8=", "9+99="]
     rolled = trainer.rollouts(prompts)
-    assert [p for p, *_ in rolled] == [p for p in prompts for _ in range(cfg.group_size)]
-    assert all(0.0 <= grade.training_view().reward <= 1.0 for *_, grade in rolled)
+    assert [r.prompt for r in rolled] == [p for p in prompts for _ in range(cfg.group_size)]
+    assert all(0.0 <= grade.training_view().reward <= 1.0 for grade in (r.grade for r in rolled))
     batch, old_logp = trainer._batch(rolled)
     with torch.no_grad():
         logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
