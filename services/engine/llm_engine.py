@@ -252,7 +252,8 @@ class LLMEngine:
 
     def load_adapter(self, name: str, state: dict) -> int:
         """Install or replace adapter `name` from its δ vectors (`{module: {"kept": δS,
-        "quarantine": δS_q}}`); returns its new version. Requests already running under it
+        "quarantine": δS_q}}`, plus `"lora_a"`/`"lora_b"` for a LoRA quarantine; see
+        `AdapterBank.load`); returns its new version. Requests already running under it
         use the new weights from the next step, and their later KV blocks are keyed by the
         new version, so no block computed under old weights serves a later request."""
         if self.adapters is None:
@@ -320,7 +321,7 @@ class LLMEngine:
             result = self.runner.execute(sched, plan)
         finally:
             if self.adapters is not None:
-                self.adapters.step_rows = None
+                self.adapters.end_step()
         if self.sync is not None:
             result = self.sync.finish_step(self, result, plan)
         report = self.interventions.after_forward(sched, plan) if plan is not None else None
@@ -358,15 +359,9 @@ class LLMEngine:
         return outputs
 
     def _plan_adapters(self, sched: Any) -> None:
-        """Each token's row in the adapted Linears' δ tables (None: no token uses one)."""
-        bank = self.adapters
-        assert bank is not None
-        bank.step_rows = None
-        if any(s.seq.group.adapter_row for s in sched.scheduled):  # else no per-token list
-            rows: list[int] = []
-            for s in sched.scheduled:
-                rows += [s.seq.group.adapter_row] * s.num_tokens
-            bank.step_rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        """Each token's row in the adapted Linears' δ tables (and LoRA mask), set on the bank."""
+        assert self.adapters is not None
+        self.adapters.plan_step([(s.seq.group.adapter_row, s.num_tokens) for s in sched.scheduled])
 
     def _append_token(
         self,

@@ -1,9 +1,10 @@
 """Adapters in the engine's step batch: `W + U·diag(δ)·Vᵀ` per target Linear, per request.
 
 The oracle is transformers with the same edit merged into its weights. Requests under the
-trained variant (δS + δS_q), the deploy variant (δS) and no adapter share one batch and each
-match their own oracle; zero δ is bit-identical to the base; reloading an adapter (weight
-sync) changes later logprobs and never reuses prefix blocks computed under the old weights.
+trained variant (δS + δS_q, or δS plus a LoRA quarantine `B_q A_q`), the deploy variant (δS)
+and no adapter share one batch and each match their own oracle; zero δ is bit-identical to the
+base; reloading an adapter (weight sync) changes later logprobs and never reuses prefix blocks
+computed under the old weights; a LoRA never leaks into another adapter's rows or a reused slot.
 """
 
 from __future__ import annotations
@@ -28,31 +29,42 @@ def path(tiny_checkpoint):
     return tiny_checkpoint("llama")
 
 
-def _state(engine: LLMEngine, seed: int, scale: float = 3.0, quarantine: bool = True) -> dict:
+def _state(
+    engine: LLMEngine, seed: int, scale: float = 3.0, quarantine: bool = True, lora: int = 0
+) -> dict:
+    """Random δ vectors per target module, plus a rank-`lora` LoRA quarantine when `lora`."""
     g = torch.Generator().manual_seed(seed)
-    return {
-        name: {
+    state = {}
+    for name in sorted(engine.adapters.modules):
+        state[name] = {
             "kept": scale * torch.randn(RANK, generator=g),
             "quarantine": (scale * torch.randn(RANK, generator=g))
             if quarantine
             else torch.zeros(RANK),
         }
-        for name in sorted(engine.adapters.modules)
-    }
+        if lora:
+            out_f, in_f = engine.adapters.modules[name].weight.shape
+            state[name]["lora_a"] = 0.3 * torch.randn(lora, in_f, generator=g)
+            state[name]["lora_b"] = 0.3 * torch.randn(out_f, lora, generator=g)
+    return state
 
 
 def _oracle_logprobs(path, state: dict | None, variant: str, ids: list[int]) -> torch.Tensor:
-    """HF log-softmax over `ids` with each target weight edited to W + U·diag(δ)·Vᵀ."""
+    """HF log-softmax over `ids` with each target weight edited to W + U·diag(δ)·Vᵀ (plus
+    the LoRA `B_q A_q` merged in, for the trained variant of a LoRA quarantine)."""
     model = copy.deepcopy(hf_model(path))
     if state is not None:
         with torch.no_grad():
             for name, parts in state.items():
                 delta = parts["kept"].double()
-                if variant == "trained":
+                if variant == "trained" and "quarantine" in parts:
                     delta = delta + parts["quarantine"].double()
                 lin = model.get_submodule(f"model.{name}")
                 u, _, v = svd_basis(lin.weight, RANK)
-                lin.weight += ((u * delta) @ v.T).to(lin.weight.dtype)
+                edit = (u * delta) @ v.T
+                if variant == "trained" and "lora_a" in parts:
+                    edit = edit + parts["lora_b"].double() @ parts["lora_a"].double()
+                lin.weight += edit.to(lin.weight.dtype)
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, -1)
@@ -157,3 +169,102 @@ def test_bad_adapter_use_is_a_clear_error(path):
     plain = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"))
     with pytest.raises(InvalidRequestError, match="serves no adapters"):
         plain.add_request("y", PROMPT, _params(adapter="a"))
+
+
+def test_lora_quarantines_each_match_their_merged_oracle_in_one_batch(path):
+    engine = LLMEngine(path, EngineConfig(**{**CONFIG, "adapter_capacity": 3}))
+    bank = engine.adapters
+    states = {
+        "lora2": _state(engine, 10, quarantine=False, lora=2),
+        "svd": _state(engine, 11),  # no LoRA: its trained row must get none of the others'
+        "lora3": _state(engine, 12, lora=3),  # both quarantines; grows the buffers from k 2
+    }
+    for name, state in states.items():
+        engine.load_adapter(name, state)
+    assert bank.lora_rank == 3
+    requests = [
+        ("lora2", "trained"), ("lora3", "trained"), ("lora3", "deploy"), ("svd", "trained"),
+        (None, "trained"),
+    ]  # fmt: skip
+    outs = _run(
+        engine,
+        [
+            _params(adapter=name, adapter_variant=variant) if name else _params()
+            for name, variant in requests
+        ],
+    )
+    for (name, variant), out in zip(requests, outs, strict=True):
+        want = _want(path, states.get(name), variant, out)
+        assert _generated_logprobs(out) == pytest.approx(want, abs=1e-4), (name, variant)
+    # the LoRA is what separates lora2's variants (its SVD quarantine is zero)
+    deploy2 = _run(engine, [_params(adapter="lora2", adapter_variant="deploy")])[0]
+    assert _generated_logprobs(outs[0]) != pytest.approx(_generated_logprobs(deploy2), abs=1e-3)
+    # a step with no token on a LoRA adapter's trained row does no LoRA work
+    trained3, deploy3 = bank.row("lora3", "trained")[0], bank.row("lora3", "deploy")[0]
+    bank.plan_step([(deploy3, 4), (bank.row("svd", "trained")[0], 2), (0, 3)])
+    assert bank.step_rows is not None and bank.step_lora_mask is None
+    bank.plan_step([(0, 3), (trained3, 2)])
+    assert bank.step_lora_mask is not None and bank.step_lora_mask.shape == (5, 3 * 3)
+    assert bank.step_lora_mask.sum(1).tolist() == [0, 0, 0, 3, 3]
+    bank.end_step()
+
+
+def test_bad_lora_quarantines_are_clear_errors_and_change_nothing(path):
+    engine = LLMEngine(path, EngineConfig(**CONFIG))
+    good = _state(engine, 20, lora=2)
+    version = engine.load_adapter("policy", good)
+    before = _run(engine, [_params(adapter="policy")])[0]
+    module = "layers.0.mlp.down_proj"
+    out_f, in_f = engine.adapters.modules[module].weight.shape
+
+    def broken(**parts) -> dict:
+        state = copy.deepcopy(good)
+        state[module].update(parts)
+        return {m: {k: v for k, v in p.items() if v is not None} for m, p in state.items()}
+
+    cases = {
+        "lora_a \\[k, ": broken(lora_a=torch.zeros(2, in_f + 1)),
+        "lora_b \\[": broken(lora_b=torch.zeros(out_f + 1, 2)),
+        "with 1 <= k": broken(lora_a=torch.zeros(3, in_f)),  # A and B disagree on k
+        "both lora_a and lora_b": broken(lora_b=None),
+        "one rank": broken(lora_a=torch.zeros(3, in_f), lora_b=torch.zeros(out_f, 3)),
+        "NaN/Inf": broken(lora_b=torch.full((out_f, 2), float("nan"))),
+        "NaN/Inf.*float32": broken(lora_a=torch.full((2, in_f), 1e39, dtype=torch.float64)),
+        "takes": broken(lora_c=torch.zeros(2, in_f)),
+    }
+    for match, state in cases.items():
+        with pytest.raises(InvalidRequestError, match=match):
+            engine.load_adapter("policy", state)
+    partial = copy.deepcopy(good)
+    del partial[module]["lora_a"], partial[module]["lora_b"]
+    with pytest.raises(InvalidRequestError, match="every target module or none"):
+        engine.load_adapter("policy", partial)
+    assert engine.adapters.loaded["policy"].version == version
+    after = _run(engine, [_params(adapter="policy")])[0]
+    # nothing changed (not bit-exact: the second run reuses the first's prefix blocks)
+    assert _generated_logprobs(after) == pytest.approx(_generated_logprobs(before), abs=1e-5)
+
+
+def test_an_unloaded_loras_slot_serves_the_next_adapter_without_leakage(path):
+    engine = LLMEngine(path, EngineConfig(**CONFIG))
+    engine.load_adapter("old", _state(engine, 30, lora=3))
+    slot = engine.adapters.row("old", "trained")
+    _run(engine, [_params(adapter="old")])
+    engine.unload_adapter("old")
+    for m in engine.adapters.modules.values():  # unload zeros the slot's LoRA factors
+        assert not m.lora_a_all.any() and not m.lora_b_all.any()
+    svd_only = _state(engine, 31)
+    engine.load_adapter("new", svd_only)
+    assert engine.adapters.row("new", "trained")[0] == slot[0]  # the same slot, reused
+    fresh = LLMEngine(path, EngineConfig(**CONFIG))
+    fresh.load_adapter("new", svd_only)
+    batch = [_params(adapter="new"), _params(adapter="new", adapter_variant="deploy"), _params()]
+    got, want = _run(engine, batch), _run(fresh, batch)
+    for g, w in zip(got, want, strict=True):
+        assert _generated_logprobs(g) == _generated_logprobs(w)  # exact: nothing left over
+    # a smaller LoRA in the same slot gets none of the old one's extra columns
+    engine.unload_adapter("new")
+    small = _state(engine, 32, lora=1)
+    engine.load_adapter("small", small)
+    out = _run(engine, [_params(adapter="small")])[0]
+    assert _generated_logprobs(out) == pytest.approx(_want(path, small, "trained", out), abs=1e-4)

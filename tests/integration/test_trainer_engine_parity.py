@@ -1,5 +1,7 @@
 """The trainer's forward and the engine agree on the same adapter: weight sync moves only the
-δ vectors, and the engine's logprobs (trained and deploy variants) equal the trainer's."""
+δ vectors (and a LoRA quarantine's two factors), and the engine's logprobs (trained and deploy
+variants, with an SVD or a LoRA quarantine) equal the trainer's, also with trained, deploy and
+no-adapter requests in one batch."""
 
 from __future__ import annotations
 
@@ -21,24 +23,42 @@ def path(tiny_checkpoint):
     return tiny_checkpoint("llama")
 
 
-def _engine_prompt_logprobs(engine: LLMEngine, ids: list[int], **kw) -> list[float]:
-    engine.add_request("p", ids, SamplingParams(max_tokens=1, prompt_logprobs=0, **kw))
+VARIANTS = [{"adapter": "policy"}, {"adapter": "policy", "adapter_variant": "deploy"}, {}]
+
+
+def _engine_prompt_logprobs(engine: LLMEngine, ids: list[int], kws: list[dict]):
+    """Prompt logprobs of `ids` for one request per `kws`, all admitted before the first step
+    (so they share every step's batch)."""
+    for i, kw in enumerate(kws):
+        engine.add_request(f"p{i}", ids, SamplingParams(max_tokens=1, prompt_logprobs=0, **kw))
+    final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                final = out
-    # prompt_logprobs[i] holds the actual token i's logprob (None at position 0)
-    return [final.prompt_logprobs[i][t] for i, t in enumerate(ids) if i > 0]
+                final[out.request_id] = out
+    # prompt_logprobs[j] holds the actual token j's logprob (None at position 0)
+    return [
+        [final[f"p{i}"].prompt_logprobs[j][t] for j, t in enumerate(ids) if j > 0]
+        for i in range(len(kws))
+    ]
 
 
-def test_engine_logprobs_of_a_trained_adapter_match_the_trainer(path):
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "one-batch"])
+@pytest.mark.parametrize("quarantine", ["svd", "lora"])
+def test_engine_logprobs_of_a_trained_adapter_match_the_trainer(path, quarantine, together):
     trainer = TrainableModel.from_pretrained(path)
-    adapters = attach_adapters(trainer.model, AdapterConfig(rank=RANK))
+    adapters = attach_adapters(
+        trainer.model, AdapterConfig(rank=RANK, quarantine=quarantine, lora_rank=3)
+    )
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # as if trained: both parts nonzero
+    with torch.no_grad():  # as if trained: every part nonzero
         for m in adapters.modules.values():
             m.delta_s.copy_(3 * torch.randn(RANK, generator=g))
-            m.delta_s_q.copy_(3 * torch.randn(RANK, generator=g))
+            if quarantine == "svd":
+                m.delta_s_q.copy_(3 * torch.randn(RANK, generator=g))
+            else:
+                m.lora_a_q.copy_(0.5 * torch.randn(m.lora_a_q.shape, generator=g))
+                m.lora_b_q.copy_(0.5 * torch.randn(m.lora_b_q.shape, generator=g))
     batch = pad_batch([(PROMPT, COMPLETION)])
     with torch.no_grad():
         trained = trainer.token_logprobs(batch)[0, 1:].tolist()
@@ -46,18 +66,21 @@ def test_engine_logprobs_of_a_trained_adapter_match_the_trainer(path):
             deployed = trainer.token_logprobs(batch)[0, 1:].tolist()
         with adapters.disabled():
             base = trainer.token_logprobs(batch)[0, 1:].tolist()
+    assert trained != pytest.approx(deployed, abs=1e-3)  # the quarantine matters
 
     engine = LLMEngine(
         path, EngineConfig(device="cpu", dtype="float32", adapter_capacity=1, adapter_rank=RANK)
     )
     assert sorted(engine.adapters.modules) == sorted(adapters.modules)
-    engine.load_adapter("policy", engine_adapter_state(adapters))  # δ vectors only
+    state = engine_adapter_state(adapters)  # δ vectors (and a LoRA's factors) only
+    parts = {"svd": {"kept", "quarantine"}, "lora": {"kept", "lora_a", "lora_b"}}[quarantine]
+    assert all(set(p) == parts for p in state.values())
+    engine.load_adapter("policy", state)
     ids = PROMPT + COMPLETION
-    assert _engine_prompt_logprobs(engine, ids, adapter="policy") == pytest.approx(
-        trained, abs=1e-5
-    )
-    assert _engine_prompt_logprobs(
-        engine, ids, adapter="policy", adapter_variant="deploy"
-    ) == pytest.approx(deployed, abs=1e-5)
-    assert _engine_prompt_logprobs(engine, ids) == pytest.approx(base, abs=1e-5)
-    assert trained != pytest.approx(deployed, abs=1e-3)  # the quarantine mattered
+    if together:  # trained, deploy and no-adapter tokens in every step's batch
+        got = _engine_prompt_logprobs(engine, ids, VARIANTS)
+    else:
+        got = [_engine_prompt_logprobs(engine, ids, [kw])[0] for kw in VARIANTS]
+    assert got[0] == pytest.approx(trained, abs=1e-5)
+    assert got[1] == pytest.approx(deployed, abs=1e-5)
+    assert got[2] == pytest.approx(base, abs=1e-5)
