@@ -224,7 +224,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_train_grpo(args: argparse.Namespace) -> int:
-    """GRPO with gradient routing from a YAML config (see examples/grpo/)."""
+    """GRPO with gradient routing from a YAML config (see examples/grpo/): here, or with --ray
+    as a Ray actor on the attached (or a new local) Ray cluster."""
     import yaml
     from pydantic import ValidationError
 
@@ -237,12 +238,64 @@ def cmd_train_grpo(args: argparse.Namespace) -> int:
         raise CoxswainError(f"invalid GRPO config {args.config}:\n{e}") from None
     if args.out_dir:
         config = config.model_copy(update={"out_dir": args.out_dir})
-    records = run(config, resume=not args.fresh, progress=True)
+    if args.ray:
+        records = _train_grpo_on_ray(config, args)
+    else:
+        on_record = None
+        if args.metrics_port is not None:
+            from services.trainer.metrics import TrainingMetrics
+
+            metrics = TrainingMetrics.for_config(config)
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+            print(f"metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
+            on_record = metrics.observe
+        records = run(config, resume=not args.fresh, progress=True, on_record=on_record)
     last = [r for r in records if r["kind"] == "eval"][-1:]
     if last:
         print(json.dumps(last[0]))
     print(f"metrics: {config.out_dir}/metrics.jsonl; plot: {config.out_dir}/rates.png")
     return 0
+
+
+def _train_grpo_on_ray(config, args: argparse.Namespace) -> list[dict]:
+    """Run `config` in a `TrainerActor`, following it by polling until it ends; its records.
+    The actor belongs to this process: Ctrl-C (or the end) stops it."""
+    import ray
+    from tqdm import tqdm
+
+    from services.trainer.actor import start_trainer
+
+    ray.init(logging_level="WARNING")  # RAY_ADDRESS, or the `ray start` cluster, or a new one
+    actor = start_trainer(
+        config,
+        resume=not args.fresh,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
+    try:
+        url = ray.get(actor.metrics_url.remote())
+        if url is not None:
+            print(f"metrics on {url}", flush=True)
+        records: list[dict] = []
+        bar = tqdm(total=config.steps, desc=f"grpo {config.arm} (ray)")
+        while True:
+            status = ray.get(actor.wait.remote(1.0))
+            new = ray.get(actor.records.remote(len(records)))  # after wait: none is missed
+            records += new
+            for r in new:
+                if r["kind"] == "train":
+                    bar.update(r["step"] - bar.n)
+                    bar.set_postfix(
+                        reward=f"{r['reward']:.3f}", hack=f"{r['rollout_hack_rate']:.3f}"
+                    )
+            if status["state"] in ("done", "failed"):
+                break
+        bar.close()
+        if status["state"] == "failed":
+            raise CoxswainError(f"the GRPO run failed: {status['error']}")
+        return records
+    finally:
+        ray.kill(actor)
 
 
 def cmd_train_pretrain(args: argparse.Namespace) -> int:
@@ -333,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--config", required=True, help="a YAML file of GRPOConfig fields")
     grpo.add_argument("--out-dir", default=None, help="override the config's out_dir")
     grpo.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    grpo.add_argument(
+        "--metrics-port", type=int, default=None, help="serve prometheus metrics (0: any port)"
+    )
+    grpo.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0: every interface")
+    grpo.add_argument(
+        "--ray", action="store_true", help="train in a Ray actor (RAY_ADDRESS or a local Ray)"
+    )
     grpo.set_defaults(func=cmd_train_grpo)
     pre = train.add_parser("pretrain", help="pretrain the tiny base policy (Muon)")
     pre.add_argument("rest", nargs=argparse.REMAINDER, help="--out DIR [--steps N] ...")

@@ -22,13 +22,6 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def redis_url():
     with RedisServer() as server:
         yield server.url
@@ -57,9 +50,7 @@ def test_async_mode_needs_workers_and_redis(tiny_checkpoint, tmp_path):
     with pytest.raises(pydantic.ValidationError, match="rollout_workers >= 1 and a redis_url"):
         GRPOConfig(model=str(tiny_checkpoint("llama")), rollout_mode="async", rollout_workers=2)
     with pytest.raises(pydantic.ValidationError, match="rollout_workers >= 1"):
-        GRPOConfig(
-            model=str(tiny_checkpoint("llama")), rollout_mode="async", redis_url="redis://x"
-        )
+        GRPOConfig(model=str(tiny_checkpoint("llama")), rollout_mode="async", redis_url="redis://x")
 
 
 def test_async_run_bounds_staleness_and_logs_it(ray_cluster, redis_url, tiny_checkpoint, tmp_path):

@@ -12,13 +12,6 @@ from services.trainer.grpo import GRPOConfig, GRPOTrainer
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_ray_rollout_workers(ray_cluster, tiny_checkpoint, tmp_path):
     cfg = GRPOConfig(
         model=str(tiny_checkpoint("llama")),
