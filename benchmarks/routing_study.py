@@ -11,6 +11,7 @@ never reads them).
 
     python3 benchmarks/routing_study.py                 # 5 arms x 3 seeds, ~5 min on 2 cores
     python3 benchmarks/routing_study.py --seeds 5 --steps 200 --env reverse
+    python3 benchmarks/routing_study.py --optimizer adamw   # each part normalised on its own
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--tau", type=float, default=0.0)
+    ap.add_argument("--optimizer", default="routed_adamw", choices=["adamw", "routed_adamw"])
     ap.add_argument("--eval-prompts", type=int, default=64)
     args = ap.parse_args()
 
@@ -72,6 +74,7 @@ def main() -> None:
                 steps=args.steps,
                 lr=args.lr,
                 tau=args.tau,
+                optimizer=args.optimizer,
                 seed=seed,
                 eval_every=args.steps,
                 eval_prompts=args.eval_prompts,
@@ -104,8 +107,9 @@ def main() -> None:
         )
     print()
     print(
-        f"env {args.env}, {args.seeds} seeds x {args.steps} GRPO steps per arm, lr {args.lr}, "
-        f"tau {args.tau}; greedy eval on {args.eval_prompts} held-out prompts; "
+        f"env {args.env}, {args.seeds} seeds x {args.steps} GRPO steps per arm, "
+        f"{args.optimizer} lr {args.lr}, tau {args.tau}; "
+        f"greedy eval on {args.eval_prompts} held-out prompts; "
         f"{time.perf_counter() - t_all:.0f}s"
     )
     header = (

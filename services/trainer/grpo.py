@@ -1,9 +1,11 @@
 """GRPO with gradient routing: rollouts from the engine, gradients through the trainer.
 
 One step:
-1. weight sync: the adapters' δ vectors go to the rollout engine (`load_adapter`);
+1. weight sync: the adapters' δ vectors go to the rollout engines (`load_adapter`; async:
+   published to Redis for the producers to pull);
 2. rollouts: `prompts_per_step` prompts × `group_size` samples under the trained policy
-   (kept + quarantine), with the sampled tokens' logprobs (the old policy);
+   (kept + quarantine), with the sampled tokens' logprobs (the old policy), graded where
+   they were generated (async: groups within `max_staleness` versions, from the stream);
 3. rewards: the environment's (gameable) grader, seen through `TrainingView` only, inside a
    `training_scope()` so that reading an oracle label there fails loudly;
 4. the GRPO loss over the rollouts' completions (group advantages, clipped ratio, k3 KL to
@@ -70,7 +72,10 @@ class GRPOConfig(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1, description="default: the env's + 2")
     temperature: float = Field(1.0, gt=0)
     # optimisation
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer: Literal["adamw", "routed_adamw", "muon"] = Field(
+        "adamw",
+        description="routed_adamw: δS and δS_q share one second moment (optim.RoutedAdamW)",
+    )
     lr: float = Field(0.05, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     advantage: Literal["std", "none"] = "std"  # "none": Dr.GRPO's r − mean
@@ -83,6 +88,10 @@ class GRPOConfig(BaseModel):
     targets: list[str] = Field(default_factory=lambda: ["*.o_proj", "*.down_proj"])
     kept_init: float = 0.0
     quarantine_init: float = 0.0
+    quarantine: Literal["svd", "lora"] = Field(
+        "svd", description="lora: a separate quarantine LoRA B_q·A_q instead of δS_q"
+    )
+    lora_rank: int = Field(4, ge=1)
     # routing
     arm: Arm = "none"
     tau: float = 0.0
@@ -112,7 +121,14 @@ class GRPOConfig(BaseModel):
     device: str = "cpu"
 
     @model_validator(mode="after")
-    def _async_needs_workers_and_redis(self) -> GRPOConfig:
+    def _consistent(self) -> GRPOConfig:
+        if self.quarantine == "lora" and self.arm in ("route", "placebo"):
+            raise ValueError(
+                f"arm {self.arm!r} moves δS-basis gradient into δS_q and needs quarantine "
+                "'svd'; with a LoRA quarantine use arm 'erase', 'activation' or 'none'"
+            )
+        if self.quarantine == "lora" and self.optimizer == "routed_adamw":
+            raise ValueError("routed_adamw pairs δS with δS_q: it needs quarantine 'svd'")
         if self.rollout_mode == "async" and (self.rollout_workers < 1 or not self.redis_url):
             raise ValueError(
                 "rollout_mode 'async' needs rollout_workers >= 1 and a redis_url "
@@ -146,7 +162,8 @@ def auroc(scores: list[float], labels: list[bool]) -> float | None:
 
 
 class GRPOTrainer:
-    """A GRPO run over one environment, with an in-process rollout engine."""
+    """A GRPO run over one environment; rollouts from an in-process engine, Ray actors, or
+    (`rollout_mode: async`) producer actors streaming through Redis."""
 
     def __init__(self, config: GRPOConfig):
         self.cfg = cfg = config
@@ -162,6 +179,8 @@ class GRPOTrainer:
                 rank=cfg.rank,
                 kept_init=cfg.kept_init,
                 quarantine_init=cfg.quarantine_init,
+                quarantine=cfg.quarantine,
+                lora_rank=cfg.lora_rank,
                 seed=cfg.seed,
             ),
         )
@@ -195,8 +214,7 @@ class GRPOTrainer:
         else:
             self.rollout = RolloutEngine(**engine_args)
         self.tokenizer = Tokenizer(cfg.model)
-        params = self.adapters.kept_parameters() + self.adapters.quarantine_parameters()
-        self.optimizer = self._optimizer(params)
+        self.optimizer = self._optimizer()
         self.loss_config = GRPOLossConfig(
             eps_low=cfg.eps_low,
             eps_high=cfg.eps_high,
@@ -210,7 +228,13 @@ class GRPOTrainer:
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
 
-    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def _optimizer(self) -> torch.optim.Optimizer:
+        params = self.adapters.kept_parameters() + self.adapters.quarantine_parameters()
+        if self.cfg.optimizer == "routed_adamw":
+            from services.trainer.optim import RoutedAdamW
+
+            pairs = [(m.delta_s, m.delta_s_q) for m in self.adapters.modules.values()]
+            return RoutedAdamW(pairs, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         if self.cfg.optimizer == "muon":
             from services.trainer.optim import Muon
 
@@ -493,7 +517,7 @@ def _train(
                     "step": trainer.step_index,
                     "rollout_hack_rate": sum(hacked) / len(hacked),
                     "rollout_true_pass": sum(x.true_pass for x in labels) / len(labels),
-                    "gate_auroc": None if config.arm == "none" else auroc(scores.tolist(), hacked),
+                    "gate_auroc": _gate_auroc(grades, scores, config),
                 }
             )
             if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:
@@ -505,6 +529,24 @@ def _train(
         bar.close()
     plot_rates(log_path, trainer.out / "rates.png")
     return records
+
+
+def _gate_auroc(grades: list[Grade], scores: torch.Tensor, config: GRPOConfig) -> float | None:
+    """The gate's AUROC against the held-back hack labels (a diagnostic, read outside any
+    training scope), over the rollouts it decides on: those with a nonzero advantage. A
+    zero-advantage rollout has no gradient (Arm A scores it 0) and routing it is moot; in
+    the all-hack groups of a hacking policy those would otherwise rank every hack below
+    the failures and read as a worse-than-chance gate."""
+    if config.arm == "none":
+        return None
+    rewards = torch.tensor([g.training_view().reward for g in grades])
+    live = group_advantages(rewards, config.group_size, scale=config.advantage) != 0
+    picked = [
+        (s, g.eval_only.hacked)
+        for s, g, ok in zip(scores.tolist(), grades, live.tolist(), strict=True)
+        if ok
+    ]
+    return auroc([s for s, _ in picked], [h for _, h in picked])
 
 
 def read_log(path: Path) -> list[dict]:

@@ -180,3 +180,68 @@ def muon_param_groups(
         else:
             adamw.append(p)
     return [{"params": muon, "use_muon": True}, {"params": adamw, "use_muon": False}]
+
+
+class RoutedAdamW(torch.optim.Optimizer):
+    """AdamW for (kept, quarantine) parameter pairs that share one second moment.
+
+    Plain AdamW normalises each parameter's step by its own gradient scale, so once routing
+    splits a gradient between δS and δS_q, *each* part takes a full-size step: a quarantine
+    fed a few percent of the gradient moves as fast as the kept part, and both drift apart
+    along the routing noise while only their sum is trained (the deployed δS alone then
+    carries that noise). Here each pair keeps its own first moments `m_k`, `m_q` (so no
+    routed mass is banked in δS's state) but one second moment `v` of the *total* gradient
+    `g_k + g_q`:
+
+        δS   -= lr · m̂_k / (√v̂ + eps)        δS_q -= lr · m̂_q / (√v̂ + eps)
+
+    The sum δS + δS_q therefore follows exactly the AdamW trajectory of the unrouted total
+    gradient, and each part moves in proportion to the gradient share routed to it. A
+    parameter without a partner (`pairs` gives `None`) is plain AdamW.
+    """
+
+    def __init__(
+        self,
+        pairs: list[tuple[nn.Parameter, nn.Parameter | None]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        params: list[nn.Parameter] = []
+        for kept, quarantine in pairs:
+            if quarantine is not None and quarantine.shape != kept.shape:
+                raise InvalidRequestError(
+                    "RoutedAdamW pairs a kept and a quarantine parameter of the same shape; "
+                    f"got {tuple(kept.shape)} and {tuple(quarantine.shape)}"
+                )
+            params += [kept] if quarantine is None else [kept, quarantine]
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.pairs = pairs
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        group = self.param_groups[0]
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for kept, quarantine in self.pairs:
+            parts = [p for p in (kept, quarantine) if p is not None]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parts]
+            if all(p.grad is None for p in parts):
+                continue
+            state = self.state[kept]
+            if not state:
+                state["step"] = 0
+                state["exp_avg_sq"] = torch.zeros_like(kept)
+            state["step"] += 1
+            t = state["step"]
+            total = torch.stack(grads).sum(0)
+            state["exp_avg_sq"].mul_(b2).addcmul_(total, total, value=1 - b2)
+            denom = (state["exp_avg_sq"] / (1 - b2**t)).sqrt_().add_(eps)
+            for p, g in zip(parts, grads, strict=True):
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                if wd:
+                    p.mul_(1 - lr * wd)
+                p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+        return loss

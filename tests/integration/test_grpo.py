@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pydantic
 import pytest
 import torch
 
@@ -84,10 +85,22 @@ def test_routing_arms_move_the_kept_or_the_quarantine(
         assert metrics.leakage == pytest.approx(1.0)
 
 
-def test_rollouts_use_the_synced_weights(path, tmp_path):
-    """After a step, the engine's logprobs of a rollout under the policy equal the trainer's."""
-    trainer = GRPOTrainer(_config(path, tmp_path))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"arm": "activation", "tau": -1e9, "quarantine": "lora"},  # LoRA quarantine learns
+        {"arm": "route", "tau": -2.0, "optimizer": "routed_adamw"},
+    ],
+    ids=["vanilla", "lora-quarantine", "routed-adamw"],
+)
+def test_rollouts_use_the_synced_weights(path, tmp_path, kw):
+    """After a step, the engine's logprobs of a rollout under the policy equal the trainer's
+    (with a LoRA quarantine the engine serves B_q·A_q on the trained variant's rows)."""
+    trainer = GRPOTrainer(_config(path, tmp_path, **kw))
     trainer.step()
+    if kw.get("quarantine") == "lora":
+        assert any(m.lora_b_q.abs().max() > 0 for m in trainer.adapters.modules.values())
     version = trainer.sync_weights()
     assert version == trainer.engine.adapters.loaded["policy"].version > 1
     rolled = trainer.rollouts(["12+34="])
@@ -96,6 +109,14 @@ def test_rollouts_use_the_synced_weights(path, tmp_path):
     with torch.no_grad():
         logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
     torch.testing.assert_close(logp[mask], old_logp[mask], atol=1e-5, rtol=0)
+
+
+def test_a_lora_quarantine_cannot_take_svd_basis_routing(path, tmp_path):
+    for arm in ("route", "placebo"):
+        with pytest.raises(pydantic.ValidationError, match="needs quarantine 'svd'"):
+            _config(path, tmp_path, arm=arm, quarantine="lora")
+    with pytest.raises(pydantic.ValidationError, match="routed_adamw"):
+        _config(path, tmp_path, optimizer="routed_adamw", quarantine="lora")
 
 
 def test_training_never_reads_the_oracle_labels(path, tmp_path, monkeypatch):

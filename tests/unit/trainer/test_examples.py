@@ -1,4 +1,4 @@
-"""Every example GRPO config validates, one per routing arm, named for its arm."""
+"""Every example GRPO config validates; each routing arm has one named for it."""
 
 from pathlib import Path
 
@@ -9,9 +9,12 @@ from services.trainer.grpo import GRPOConfig
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "grpo"
 
 
-def test_one_valid_example_per_arm():
-    arms = {}
-    for path in sorted(EXAMPLES.glob("*.yaml")):
-        config = GRPOConfig.model_validate(yaml.safe_load(path.read_text()))
-        arms[config.arm] = path.stem
-    assert arms == {a: a for a in ("none", "erase", "route", "activation", "placebo")}
+def test_every_example_validates_and_each_arm_has_one():
+    configs = {
+        path.stem: GRPOConfig.model_validate(yaml.safe_load(path.read_text()))
+        for path in sorted(EXAMPLES.glob("*.yaml"))
+    }
+    for arm in ("none", "erase", "route", "activation", "placebo"):
+        assert configs[arm].arm == arm
+    assert configs["lora-activation"].quarantine == "lora"
+    assert configs["async-route"].rollout_mode == "async"

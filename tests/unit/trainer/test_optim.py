@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from services.common.errors import InvalidRequestError
-from services.trainer.optim import CUBIC, Muon, muon_param_groups, newton_schulz
+from services.trainer.optim import CUBIC, Muon, RoutedAdamW, muon_param_groups, newton_schulz
 
 
 def _polar(g: torch.Tensor) -> torch.Tensor:
@@ -97,3 +97,74 @@ def test_muon_param_groups_keep_embeddings_and_head_on_adamw():
 def test_muon_rejects_vectors_in_a_muon_group():
     with pytest.raises(InvalidRequestError, match="2-D parameters only"):
         Muon([{"params": [nn.Parameter(torch.ones(3))], "use_muon": True}])
+
+
+def _pair(n: int = 6) -> tuple[nn.Parameter, nn.Parameter]:
+    return (
+        nn.Parameter(torch.zeros(n, dtype=torch.float64)),
+        nn.Parameter(torch.zeros(n, dtype=torch.float64)),
+    )
+
+
+def _grads(steps: int, n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        total = torch.randn(n, generator=g, dtype=torch.float64)
+        share = torch.rand(n, generator=g, dtype=torch.float64) * (torch.rand(1, generator=g) < 0.5)
+        out.append((total * (1 - share), total * share))  # a routed split of one gradient
+    return out
+
+
+def test_routed_adamw_without_routing_is_adamw():
+    kept, quarantine = _pair()
+    ref = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    ours = RoutedAdamW([(kept, quarantine)], lr=0.05, weight_decay=0.1)
+    theirs = torch.optim.AdamW([ref], lr=0.05, weight_decay=0.1)
+    for g_k, _ in _grads(8):
+        kept.grad, quarantine.grad, ref.grad = g_k.clone(), None, g_k.clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(kept, ref, atol=1e-12, rtol=1e-10)
+    assert torch.equal(quarantine, torch.zeros(6, dtype=torch.float64))
+
+
+def test_routed_adamw_sum_follows_adamw_on_the_total_and_banks_nothing():
+    """δS + δS_q takes exactly AdamW's steps on the unrouted gradient, and δS's momentum is
+    the average of its own (kept) gradients only: routed mass is never banked in it."""
+    kept, quarantine = _pair()
+    total = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    ours = RoutedAdamW([(kept, quarantine)], lr=0.05)
+    ref = torch.optim.AdamW([total], lr=0.05, weight_decay=0.0)
+    kept_ema = torch.zeros(6, dtype=torch.float64)
+    for g_k, g_q in _grads(10):
+        kept.grad, quarantine.grad, total.grad = g_k, g_q, g_k + g_q
+        ours.step()
+        ref.step()
+        kept_ema = 0.9 * kept_ema + 0.1 * g_k
+    torch.testing.assert_close(kept + quarantine, total, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(ours.state[kept]["exp_avg"], kept_ema, atol=1e-14, rtol=0)
+
+
+def test_a_small_routed_share_moves_the_quarantine_a_little():
+    """5% of every gradient routed: plain AdamW per part moves δS_q as far as δS (it
+    normalises each part's scale away); RoutedAdamW moves it 5/95 as far."""
+    runs = {}
+    for name in ("adamw", "routed"):
+        kept, quarantine = _pair()
+        opt = (
+            RoutedAdamW([(kept, quarantine)], lr=0.05)
+            if name == "routed"
+            else torch.optim.AdamW([kept, quarantine], lr=0.05, weight_decay=0.0)
+        )
+        for g, _ in _grads(10):
+            kept.grad, quarantine.grad = 0.95 * g, 0.05 * g
+            opt.step()
+        runs[name] = float(quarantine.norm() / kept.norm())
+    assert runs["adamw"] == pytest.approx(1.0, rel=1e-6)
+    assert runs["routed"] == pytest.approx(0.05 / 0.95, rel=1e-6)
+
+
+def test_routed_adamw_rejects_mismatched_pairs():
+    with pytest.raises(InvalidRequestError, match="same shape"):
+        RoutedAdamW([(nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4)))])
