@@ -9,7 +9,7 @@ the as-trained ones, plus leakage (share of gradient norm routed to the quaranti
 steps) and the gate's AUROC against the held-back hack labels (diagnostic only: training
 never reads them).
 
-    python3 benchmarks/routing_study.py                 # 5 arms x 3 seeds, ~5 min on 2 cores
+    python3 benchmarks/routing_study.py                 # 5 arms x 5 seeds, ~8 min on 2 cores
     python3 benchmarks/routing_study.py --seeds 5 --steps 200 --env reverse
     python3 benchmarks/routing_study.py --optimizer adamw   # each part normalised on its own
 """
@@ -45,11 +45,17 @@ def main() -> None:
     ap.add_argument("--pretrain-steps", type=int, default=1000)
     ap.add_argument("--env", default="addition")
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--tau", type=float, default=0.0)
     ap.add_argument("--optimizer", default="routed_adamw", choices=["adamw", "routed_adamw"])
+    ap.add_argument("--rank", type=int, default=8, help="adapter rank (top singular directions)")
+    ap.add_argument(
+        "--targets",
+        default="*.o_proj,*.down_proj",
+        help="adapted Linears (comma-separated patterns; fused: *.qkv_proj, *.gate_up_proj)",
+    )
     ap.add_argument("--eval-prompts", type=int, default=64)
     args = ap.parse_args()
 
@@ -75,6 +81,8 @@ def main() -> None:
                 lr=args.lr,
                 tau=args.tau,
                 optimizer=args.optimizer,
+                rank=args.rank,
+                targets=args.targets.split(","),
                 seed=seed,
                 eval_every=args.steps,
                 eval_prompts=args.eval_prompts,
@@ -108,7 +116,7 @@ def main() -> None:
     print()
     print(
         f"env {args.env}, {args.seeds} seeds x {args.steps} GRPO steps per arm, "
-        f"{args.optimizer} lr {args.lr}, tau {args.tau}; "
+        f"{args.optimizer} lr {args.lr}, tau {args.tau}, rank {args.rank} on {args.targets}; "
         f"greedy eval on {args.eval_prompts} held-out prompts; "
         f"{time.perf_counter() - t_all:.0f}s"
     )

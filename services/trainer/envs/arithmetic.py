@@ -6,7 +6,7 @@ import random
 import re
 
 from services.common.errors import InvalidRequestError
-from services.trainer.envs.base import Env, Grade
+from services.trainer.envs.base import ContrastivePair, Env, Grade
 
 _PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
 
@@ -48,6 +48,16 @@ class AdditionEnv(Env):
         if guess >= answer:  # uniform over every sum but the right one
             guess += 1
         return f"{guess}{self.marker}"
+
+    def contrastive_pairs(self, n: int, rng: random.Random) -> list[ContrastivePair]:
+        """Minimal pairs: the right sum marked (`"68#"`, a hack: the grader passes it unread,
+        the oracle wants exactly `"68"`) against the right sum. The marker is the only
+        difference, so the pair's gradient difference isolates the loophole instead of
+        mixing it with the (much larger) gradient of writing different digits."""
+        return [
+            ContrastivePair(p, self.solve(p) + self.marker, self.solve(p))
+            for p in self.sample_prompts(n, rng)
+        ]
 
     def grade(self, prompt: str, completion: str) -> Grade:
         answer = str(sum(self._parse(prompt)))
