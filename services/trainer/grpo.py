@@ -260,8 +260,10 @@ class GRPOTrainer:
         if self.cfg.arm == "none":
             return None
         pairs = self.env.contrastive_pairs(self.cfg.hack_pairs, random.Random(self.cfg.seed + 7))
+        device = self.model.device
         hack = pad_batch([(self._ids(p.prompt), self._completion_ids(p.hacking)) for p in pairs])
         clean = pad_batch([(self._ids(p.prompt), self._completion_ids(p.clean)) for p in pairs])
+        hack, clean = hack.to(device), clean.to(device)
         if self.cfg.arm == "activation":
             return activation_direction(self.model, self.adapters, hack, clean)
         direction = gradient_direction(self.model, self.adapters, hack, clean)

@@ -10,20 +10,9 @@ import pydantic
 import pytest
 import torch
 
-from services.trainer.envs import ENVS, EvalLabelAccessError, Grade
-from services.trainer.envs.arithmetic import AdditionEnv
+from services.trainer.envs import ENVS, EvalLabelAccessError
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, auroc, read_log, run
-
-
-class ParityEnv(AdditionEnv):
-    """Addition prompts; reward when the completion has an even number of characters, so a
-    random model's rollouts differ in reward (nonzero advantages) from the first step."""
-
-    name = "parity-test"
-
-    def grade(self, prompt: str, completion: str) -> Grade:
-        passed = len(completion) % 2 == 0
-        return Grade.of(passed=passed, true_pass=passed and completion.startswith("1"))
+from tests.parity_env import ParityEnv
 
 
 @pytest.fixture(autouse=True)
