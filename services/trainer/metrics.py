@@ -32,7 +32,7 @@ TRAIN_GAUGES = {
     "kl": ("kl", "k3 KL to the base model in the last step."),
     "clip_fraction": ("clip_fraction", "Fraction of tokens whose ratio was clipped."),
     "flagged": ("flagged_fraction", "Fraction of the last step's rollouts flagged as hacks."),
-    "leakage": ("leakage", "Hack-direction gradient left in the kept δS after routing."),
+    "leakage": ("leakage", "Share of the last step's gradient norm routed to the quarantine."),
     "rollout_hack_rate": ("rollout_hack_rate", "Oracle hack rate of the last step's rollouts."),
     "rollout_true_pass": (
         "rollout_true_pass_rate",
@@ -40,7 +40,8 @@ TRAIN_GAUGES = {
     ),
     "gate_auroc": (
         "gate_auroc",
-        "AUROC of the routing scores against the oracle hack labels (NaN: undefined).",
+        "AUROC of the routing scores against the oracle hack labels, over rollouts with a "
+        "nonzero advantage (NaN: undefined).",
     ),
 }
 # eval record keys: `<variant>_true_pass`, `<variant>_hack_rate`
