@@ -19,12 +19,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import (
-    CoxswainError,
-    InvalidRequestError,
-    ServiceUnavailableError,
-    error_from_rpc,
-)
+from services.common.errors import CoxswainError, InvalidRequestError, error_from_rpc
+from services.common.grpc_client import GrpcClient, bearer_metadata, channel_options
 from services.engine.interventions.spec import parse_steering
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
@@ -37,17 +33,6 @@ from services.proto.coxswain.v1 import steering_pb2_grpc as steering_grpc
 from services.proto.coxswain.v1 import sweep_pb2_grpc as sweep_grpc
 
 PromptLike = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or a chat
-
-
-def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
-def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
 def _generate_request(
@@ -85,11 +70,7 @@ def _steering_spec(spec: Any) -> pb.SteeringSpec:
     return convert.steering_to_proto(parsed)
 
 
-def _error(e: grpc.RpcError, target: str) -> CoxswainError:
-    return error_from_rpc(e, f"engine at {target}")
-
-
-class CoxswainClient:
+class CoxswainClient(GrpcClient):
     """A blocking client of one engine replica's gRPC services at `target` (`host:port`).
 
     `api_key` travels as `authorization: Bearer <key>` metadata; `credentials` (e.g.
@@ -108,20 +89,18 @@ class CoxswainClient:
         stream_timeout_s: float | None = None,
         max_message_bytes: int = convert.DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        self.target = target
-        self.timeout_s = timeout_s
-        self.stream_timeout_s = stream_timeout_s
-        options = _channel_options(max_message_bytes)
-        self._channel = (
-            grpc.secure_channel(target, credentials, options=options)
-            if credentials is not None
-            else grpc.insecure_channel(target, options=options)
+        super().__init__(
+            target,
+            service="engine",
+            api_key=api_key,
+            credentials=credentials,
+            timeout_s=timeout_s,
+            max_message_bytes=max_message_bytes,
         )
-        self._metadata = _metadata(api_key)
+        self.stream_timeout_s = stream_timeout_s
         self._engine = pb_grpc.EngineStub(self._channel)
         self._sweep = sweep_grpc.SweepStub(self._channel)
         self._steering = steering_grpc.SteeringStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # -- generation -----------------------------------------------------------------------
 
@@ -166,7 +145,7 @@ class CoxswainClient:
             for msg in call:
                 yield assembler.apply(msg)
         except grpc.RpcError as e:
-            raise _error(e, self.target) from None
+            raise self._error(e) from None
         finally:
             call.cancel()  # nothing once the stream has ended; else the server aborts
 
@@ -208,7 +187,7 @@ class CoxswainClient:
                 cells.append(convert.sweep_cell_from_proto(event.cell))
                 yield cells[-1]
         except grpc.RpcError as e:
-            raise _error(e, self.target) from None
+            raise self._error(e) from None
         finally:
             call.cancel()
         raise CoxswainError("the Sweep stream ended without a summary")
@@ -269,38 +248,6 @@ class CoxswainClient:
         response = self._call(self._steering.DropPatchSource, request)
         return {"run": response.run, "dropped": True, "bytes_freed": response.bytes_freed}
 
-    # -- the channel ----------------------------------------------------------------------
-
-    def health(self, service: str = "") -> str:
-        """The server's health status name (`SERVING`, `NOT_SERVING`, ...); needs no key."""
-        request = health_pb2.HealthCheckRequest(service=service)
-        status = self._call(self._health.Check, request).status
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-
-    def wait_ready(self, timeout_s: float = 10.0) -> None:
-        """Block until the channel connects; ServiceUnavailableError after `timeout_s`."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            raise ServiceUnavailableError(
-                f"engine at {self.target} not reachable within {timeout_s}s"
-            ) from None
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> CoxswainClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, metadata=self._metadata, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise _error(e, self.target) from None
-
 
 class AsyncCoxswainClient:
     """`CoxswainClient` for asyncio: the same methods, awaited (streams are async
@@ -318,14 +265,15 @@ class AsyncCoxswainClient:
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self._where = f"engine at {target}"
         self.stream_timeout_s = stream_timeout_s
-        options = _channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options=options)
             if credentials is not None
             else grpc.aio.insecure_channel(target, options=options)
         )
-        self._metadata = _metadata(api_key)
+        self._metadata = bearer_metadata(api_key)
         self._engine = pb_grpc.EngineStub(self._channel)
         self._sweep = sweep_grpc.SweepStub(self._channel)
         self._steering = steering_grpc.SteeringStub(self._channel)
@@ -367,7 +315,7 @@ class AsyncCoxswainClient:
             async for msg in call:
                 yield assembler.apply(msg)
         except grpc.RpcError as e:
-            raise _error(e, self.target) from None
+            raise self._error(e) from None
         finally:
             call.cancel()
 
@@ -406,7 +354,7 @@ class AsyncCoxswainClient:
                 cells.append(convert.sweep_cell_from_proto(event.cell))
                 yield cells[-1]
         except grpc.RpcError as e:
-            raise _error(e, self.target) from None
+            raise self._error(e) from None
         finally:
             call.cancel()
         raise CoxswainError("the Sweep stream ended without a summary")
@@ -473,8 +421,11 @@ class AsyncCoxswainClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _error(self, e: grpc.RpcError) -> CoxswainError:
+        return error_from_rpc(e, self._where)
+
     async def _call(self, method: Any, request: Any) -> Any:
         try:
             return await method(request, metadata=self._metadata, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _error(e, self.target) from None
+            raise self._error(e) from None

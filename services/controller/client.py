@@ -6,26 +6,22 @@ Errors come back as the exceptions the server raised (`InvalidRequestError`, `No
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-import grpc
-
-from services.common.errors import CoxswainError, error_from_rpc
+from services.common.grpc_client import GrpcClient
 from services.controller import convert
 from services.controller.policies import parse_policy
 from services.proto.coxswain.v1 import controller_pb2 as pb
 from services.proto.coxswain.v1 import controller_pb2_grpc as pb_grpc
 
 
-class ControllerClient:
+class ControllerClient(GrpcClient):
     """Talks to a controller server at `address` (`host:port`), with `api_key` as the bearer
     token when the server checks keys. Every call waits at most `timeout_s`."""
 
     def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float = 10.0):
-        self.address, self.timeout_s = address, timeout_s
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(address)
+        super().__init__(address, service="controller", api_key=api_key, timeout_s=timeout_s)
         self._stub = pb_grpc.ControllerStub(self._channel)
 
     def set_policies(self, configs: Iterable[Any], *, replace: bool = False) -> list[Any]:
@@ -48,25 +44,6 @@ class ControllerClient:
         """The controller's `status()`."""
         return convert.status_from_proto(self._call(self._stub.Status, pb.StatusRequest()))
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> ControllerClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     @staticmethod
     def _policies(msg: pb.PolicyList) -> list[Any]:
         return [convert.policy_from_proto(p) for p in msg.policies]
-
-    def _call(self, method: Callable[..., Any], request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise _error(e, self.address) from None
-
-
-def _error(e: grpc.RpcError, address: str) -> CoxswainError:
-    return error_from_rpc(e, f"controller at {address}")

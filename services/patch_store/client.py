@@ -11,16 +11,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import (
-    CoxswainError,
-    InvalidRequestError,
-    ServiceUnavailableError,
-    error_from_rpc,
-)
+from services.common.errors import InvalidRequestError
+from services.common.grpc_client import GrpcClient
 from services.patch_store import convert
 from services.patch_store.server import DEFAULT_MAX_MESSAGE_BYTES
 from services.patch_store.store import LayerSite, Manifest, RowKey
@@ -30,7 +24,7 @@ from services.proto.coxswain.v1 import patch_store_pb2_grpc as pb_grpc
 DEFAULT_CHUNK_BYTES = 2**20
 
 
-class PatchStoreClient:
+class PatchStoreClient(GrpcClient):
     """Talks to a patch store server at `address` (`host:port`). Every call waits at most
     `timeout_s`; `put_run` streams rows in chunks of about `chunk_bytes`."""
 
@@ -42,18 +36,16 @@ class PatchStoreClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
-        self._channel = grpc.insecure_channel(
+        super().__init__(
             address,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
+            service="patch store",
+            timeout_s=timeout_s,
+            max_message_bytes=max_message_bytes,
+            limit_hint="raise the server's max message size, lower the client's chunk_bytes, "
+            "or ask for fewer rows per get_rows",
         )
+        self.chunk_bytes = chunk_bytes
         self._stub = pb_grpc.PatchStoreStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def put_run(
         self,
@@ -120,36 +112,6 @@ class PatchStoreClient:
         """The server store's `stats()`."""
         return convert.stats_from_proto(self._call(self._stub.Stats, pb.StatsRequest()))
 
-    def health(self, service: str = "") -> str:
-        """The server's health status name: `SERVING`, `NOT_SERVING`, ..."""
-        request = health_pb2.HealthCheckRequest(service=service)
-        status = self._call(self._health.Check, request).status
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-
-    def wait_ready(self, timeout_s: float = 10.0) -> None:
-        """Block until the channel connects; ServiceUnavailableError after `timeout_s`."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            raise ServiceUnavailableError(
-                f"patch store at {self.address} not reachable within {timeout_s}s"
-            ) from None
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> PatchStoreClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, method: Callable[..., Any], request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise _error(e, self.address) from None
-
 
 def _message(cls: Callable[..., Any], **fields: Any) -> Any:
     """A request message, with protobuf's TypeError/ValueError for a wrongly typed field
@@ -158,12 +120,3 @@ def _message(cls: Callable[..., Any], **fields: Any) -> Any:
         return cls(**fields)
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"bad {cls.__name__}: {e}") from None
-
-
-def _error(e: grpc.RpcError, address: str) -> CoxswainError:
-    return error_from_rpc(
-        e,
-        f"patch store at {address}",
-        limit_hint="raise the server's max message size, lower the client's chunk_bytes, or "
-        "ask for fewer rows per get_rows",
-    )
