@@ -227,15 +227,11 @@ def cmd_train_grpo(args: argparse.Namespace) -> int:
     """GRPO with gradient routing from a YAML config (see examples/grpo/): here, or with --ray
     as a Ray actor on the attached (or a new local) Ray cluster."""
     import yaml
-    from pydantic import ValidationError
 
-    from services.trainer.grpo import GRPOConfig, run
+    from services.trainer.grpo import run, validate_config
 
     raw = yaml.safe_load(Path(args.config).read_text()) or {}
-    try:
-        config = GRPOConfig.model_validate(raw)
-    except ValidationError as e:
-        raise CoxswainError(f"invalid GRPO config {args.config}:\n{e}") from None
+    config = validate_config(raw, source=args.config)
     if args.out_dir:
         config = config.model_copy(update={"out_dir": args.out_dir})
     if args.ray:

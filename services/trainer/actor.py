@@ -13,27 +13,15 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
 from services.cluster.state import NAMESPACE
 from services.common.errors import InvalidRequestError
-from services.trainer.grpo import GRPOConfig, run
+from services.trainer.grpo import GRPOConfig, run, validate_config
 from services.trainer.metrics import TrainingMetrics
 
 log = logging.getLogger(__name__)
 
 State = Literal["idle", "running", "done", "failed"]
 _ANY_HOST = ("0.0.0.0", "::", "")
-
-
-def grpo_config(config: dict | GRPOConfig) -> GRPOConfig:
-    """`config` validated, or an `InvalidRequestError` naming every bad field."""
-    if isinstance(config, GRPOConfig):
-        return config
-    try:
-        return GRPOConfig.model_validate(config)
-    except ValidationError as e:
-        raise InvalidRequestError(f"invalid GRPO config:\n{e}") from None
 
 
 class TrainerActor:
@@ -49,7 +37,7 @@ class TrainerActor:
         metrics_port: int | None = 0,
         metrics_host: str = "127.0.0.1",
     ) -> None:
-        self.config = grpo_config(config)
+        self.config = validate_config(config)
         self.resume = resume
         self.metrics = TrainingMetrics.for_config(self.config)
         self._host = metrics_host
@@ -154,7 +142,7 @@ def start_trainer(
     `ray.remote(...).options`."""
     import ray
 
-    cfg = grpo_config(config)
+    cfg = validate_config(config)
     name = name or f"grpo-{Path(cfg.out_dir).name or 'run'}"
     if num_gpus is None:
         num_gpus = 1 if cfg.device.startswith("cuda") else 0

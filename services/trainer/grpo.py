@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.errors import InvalidRequestError
 from services.engine import LLMEngine, SamplingParams
@@ -135,6 +135,18 @@ class GRPOConfig(BaseModel):
                 "(producers stream rollouts through Redis)"
             )
         return self
+
+
+def validate_config(config: dict | GRPOConfig, source: str = "") -> GRPOConfig:
+    """`config` validated, or an `InvalidRequestError` naming every bad field (and `source`,
+    e.g. the YAML file it came from)."""
+    if isinstance(config, GRPOConfig):
+        return config
+    try:
+        return GRPOConfig.model_validate(config)
+    except ValidationError as e:
+        where = f" {source}" if source else ""
+        raise InvalidRequestError(f"invalid GRPO config{where}:\n{e}") from None
 
 
 @dataclass
