@@ -28,14 +28,11 @@ from services.common.errors import (
 from services.engine.interventions.sites import SITE_ALIASES, parse_site
 from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
-from services.engine.sweep import Metric, Sweep, SweepResult, SweepSpec
+from services.engine.sweep import Metric, Sweep, SweepResult, SweepSpec, skipped_reason
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-# A run a sweep reads is leased for this long while the sweep runs (released at its end).
-SWEEP_LEASE_TTL_S = 600.0
 
 # Heatmap geometry, in inches: room per grid column and row, and caps for huge grids.
 _COL_IN, _ROW_IN, _MIN_WIDTH_IN, _MAX_WIDTH_IN, _MAX_PANEL_IN = 0.34, 0.3, 5.5, 60.0, 16.0
@@ -225,14 +222,8 @@ class PatchStudy:
         return inline, f"clean prompt of run {run!r}, captured inline ({why})"
 
     def _run(self, spec: SweepSpec, run: str | None, source: str) -> StudyResult:
-        leased = spec.source_run is not None
-        if leased:  # hold the run from Sweep's check of it until every cell has read its rows
-            self.store.lease(spec.source_run, SWEEP_LEASE_TTL_S, self._holder)
-        try:
-            res = Sweep(self.engine, spec).run()
-        finally:
-            if leased:
-                self.store.release(spec.source_run, self._holder)
+        # A sweep of a stored run leases and reads the version it found (see sweep.py).
+        res = Sweep(self.engine, spec).run()
         values = {f.name: getattr(res, f.name) for f in fields(SweepResult)}
         return StudyResult(**values, spec=spec, run=run, source=source)
 
@@ -245,11 +236,22 @@ class PatchStudy:
         alpha: float | None = None,
     ) -> StudyResult:
         """Re-sweep a sub-grid of `res` (each axis defaults to all of `res`'s), optionally with
-        another alpha; the same prompts, answer, foil, metric and clean source."""
+        another alpha; the same prompts, answer, foil, metric and clean source.
+
+        Positions `res` skipped (unaligned: no clean counterpart) cannot be patched: asking
+        only for those is an InvalidRequestError saying why; asking for some among valid ones
+        warns (UserWarning) and leaves their cells NaN, listed in the result's `skipped`."""
         if not isinstance(res, StudyResult) or res.spec is None:
             raise InvalidRequestError("zoom needs a result of PatchStudy.sweep or zoom")
         layers = _subset(layers, res.layers, "layers")
+        asked = positions is not None
         positions = _subset(positions, res.positions, "positions")
+        skipped = [p for p in positions if p in res.skipped]
+        if asked and skipped:
+            why = skipped_reason(res.alignment, skipped, len(res.tokens))
+            if len(skipped) == len(positions):
+                raise InvalidRequestError(f"zoom has nothing to patch: {why}")
+            warnings.warn(f"zoom: {why}; their cells stay NaN", UserWarning, stacklevel=2)
         sites = _subset(None if sites is None else self._sites(sites), res.sites, "sites")
         spec = res.spec
         return self.sweep(

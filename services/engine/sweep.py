@@ -11,12 +11,20 @@ drives `engine.step()` itself, so the engine must have no other unfinished reque
 starts (InvalidRequestError otherwise); outputs of requests someone adds while it runs are
 kept in `Sweep.foreign_outputs`, never dropped. In a served engine, `AsyncLLMDriver` adds
 them through `AsyncLLM.submit` as ordinary traffic, batched with everyone else's.
+
+A sweep over a stored run reads one version of it: the version current when the sweep was
+built, named `"<run>@<version>"` in every cell's patch and leased for the sweep's run. A
+re-capture of the run id meanwhile makes a new version and leaves the leased one readable
+(`services/patch_store/store.py`), so every cell reads the rows the sweep started with; a
+version that is gone anyway (dropped, invalidated, lost in a store restart) voids the cells
+that could not read it, with the store's reason — never a number from other rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import queue
 import uuid
@@ -35,7 +43,12 @@ from services.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from services.engine.async_llm import AsyncLLM
 
+log = logging.getLogger(__name__)
+
 Metric = Literal["logprob", "logit_diff", "recovered"]
+
+# A sweep leases the run version it reads for this long (released when it ends).
+SWEEP_LEASE_TTL_S = 600.0
 
 
 @dataclass
@@ -87,6 +100,7 @@ class SweepResult:
     void: list[Cell]
     tokens: list[str]
     cells: list[Cell]
+    run_ref: str | None = None  # the stored run version every cell read, "<run>@<version>"
 
     def to_numpy(self) -> np.ndarray:
         return self.grid.copy()
@@ -122,6 +136,28 @@ def clean_position(alignment: dict[str, Any], p: int) -> int | None:
     if p in alignment["skipped"]:
         return None
     return p + alignment["offset"]
+
+
+def skipped_reason(alignment: dict[str, Any], skipped: list[int], num_corrupt: int) -> str:
+    """Why corrupt positions `skipped` have no clean position to patch from, in words."""
+    prefix, suffix, offset = alignment["prefix_len"], alignment["suffix_len"], alignment["offset"]
+    num_clean = num_corrupt + offset
+    spans = []
+    if prefix:
+        spans.append(f"the common prefix (positions 0-{prefix - 1}, patched from themselves)")
+    if suffix:
+        spans.append(
+            f"the common suffix (positions {num_corrupt - suffix}-{num_corrupt - 1}, patched "
+            f"from clean position + {offset})".replace("+ -", "- ")
+        )
+    aligned = " and ".join(spans) or "no common prefix or suffix"
+    return (
+        f"positions {skipped} are skipped (unaligned): the clean prompt has {num_clean} tokens "
+        f"and the corrupt prompt {num_corrupt}, so only {aligned} align; the positions between "
+        f"have no clean counterpart (alignment: prefix_len={prefix}, suffix_len={suffix}, "
+        f"offset={offset}). Pick positions outside {alignment['skipped']}, or prompts of "
+        "equal length"
+    )
 
 
 Final = tuple[str, RequestOutput | str]  # (request id, final output or why there is none)
@@ -241,6 +277,7 @@ class Sweep:
         self.driver: SweepDriver = driver or StepDriver(engine)
         self._tag = f"sweep-{uuid.uuid4().hex[:8]}"
         self._started = False
+        self.run_ref: str | None = None  # set by _check_run for a stored source run
         self._validate()
 
     # -- validation (before anything runs) ----------------------------------------------
@@ -286,6 +323,11 @@ class Sweep:
                 "holds no token ids"
             )
         self.skipped = [p for p in self.positions if clean_position(self.alignment, p) is None]
+        if self.skipped and len(self.skipped) == len(self.positions):  # a grid of NaN only
+            raise InvalidRequestError(
+                "no position of this sweep can be patched: "
+                + skipped_reason(self.alignment, self.skipped, len(self.corrupt_ids))
+            )
 
     def _text_spans(self, positions: Any) -> Any:
         """Positions with each text span replaced by the token positions that cover it."""
@@ -352,6 +394,7 @@ class Sweep:
         if not manifests:
             raise RunNotFoundError(f"no run {run!r} in the patch-source store")
         manifest = manifests[0]
+        self.run_ref = manifest.ref  # this version, whatever is stored under `run` later
         n_clean = len(manifest.token_ids) or (max(manifest.positions) + 1)
         if n_clean != len(self.corrupt_ids):
             raise InvalidRequestError(
@@ -443,8 +486,8 @@ class Sweep:
         return (raw - self._raw_corrupt) / (self._raw_clean - self._raw_corrupt)
 
     def _patch_entry(self, layer: int, site: str, p: int, q: int) -> dict:
-        if self.spec.source_run is not None:
-            source: dict = {"run": self.spec.source_run, "position": q}
+        if self.run_ref is not None:
+            source: dict = {"run": self.run_ref, "position": q}
         else:
             source = {"vector": self._rows[(layer, site)][q]}
         return {
@@ -465,6 +508,7 @@ class Sweep:
         self.driver.start()
         self.cells_done: list[Cell] = []
         ours: set[str] = set()
+        leased = self._lease_run()
         try:
             self._baselines()
             control = f"{self._tag}-control"
@@ -507,6 +551,28 @@ class Sweep:
         finally:
             for rid in ours:
                 self.driver.abort(rid)
+            if leased:
+                self._release_run()
+
+    def _lease_run(self) -> bool:
+        """Lease the run version the cells read; False when there is none to lease. A version
+        already gone is no error here: each cell that cannot read it is void, saying why."""
+        if self.run_ref is None:
+            return False
+        store = self.engine.interventions.patch_sources
+        try:
+            store.lease(self.run_ref, SWEEP_LEASE_TTL_S, self._tag)
+        except RunNotFoundError as exc:
+            log.warning("sweep %s: its run is gone, its cells will be void: %s", self._tag, exc)
+            return False
+        return True
+
+    def _release_run(self) -> None:
+        """Give the lease back; a store that cannot be reached lets it run out instead."""
+        try:
+            self.engine.interventions.patch_sources.release(self.run_ref, self._tag)
+        except CoxswainError as exc:
+            log.warning("sweep %s: releasing %s failed: %s", self._tag, self.run_ref, exc)
 
     async def cells(self) -> AsyncGenerator[Cell, None]:
         """`iter_cells()` run in a worker thread (with the default driver, don't use the
@@ -563,4 +629,5 @@ class Sweep:
             void=[c for c in self.cells_done if c.void is not None],
             tokens=[tok.decode([t], skip_special_tokens=False) for t in self.corrupt_ids],
             cells=list(self.cells_done),
+            run_ref=self.run_ref,
         )

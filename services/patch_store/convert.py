@@ -219,6 +219,7 @@ def manifest_to_proto(m: Manifest, now: float) -> pb.Manifest:
         bytes=m.bytes,
         lease_remaining_s=max(0.0, m.leased_until - now) if m.leased_until is not None else 0.0,
         holders=m.holders,
+        version=m.version,
     )
 
 
@@ -236,6 +237,7 @@ def manifest_from_proto(msg: pb.Manifest, now: float) -> Manifest:
         bytes=msg.bytes,
         leased_until=now + msg.lease_remaining_s if msg.holders else None,
         holders=tuple(msg.holders),
+        version=msg.version,
     )
 
 

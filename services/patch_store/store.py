@@ -7,6 +7,19 @@ protects a run from eviction, and when only leased runs are left the store keeps
 budget (a soft exceed, counted and logged) rather than un-patch an admitted request.
 Eviction runs when a put needs room and when a release may end a soft exceed; reads never
 evict, so a run just stored is there for its owner to lease even while over budget.
+
+Every put gives the run a new version. `"<run>@<version>"` names one version (a *run
+reference*; a bare run id names the current one). A lease taken on a reference pins that
+version: an overwrite replaces the current version, but a pinned one stays readable under its
+reference until its last pinning lease ends (its bytes still count against the budget). A
+lease taken on a bare run id follows the run id to the new contents, as it protects whatever
+its holder reads next. So a sweep that leased version 7 reads version 7 to its end, whatever
+is re-captured under the run id meanwhile; once nobody holds version 7 it is gone, and
+reading it is RunNotFoundError saying it was overwritten, never the new data.
+
+Versions are microseconds since the epoch (then +1 per put), so a store started after another
+one (an actor restart) never hands out a version the lost store used: a reference from before
+a restart is an explicit RunNotFoundError naming the restart, never a different run's rows.
 """
 
 from __future__ import annotations
@@ -19,7 +32,7 @@ import time
 from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -39,6 +52,7 @@ RowKey = tuple[int, str, int]  # (layer, site, position)
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _GONE_REMEMBERED = 4096  # gone run ids whose reason a not-found message can still name
+VERSION_SEPARATOR = "@"  # "<run>@<version>": one version of a run; never part of a run id
 
 # Counters kept by every store: name -> help. Each is in stats() and, as
 # `coxswain_patch_store_<name>_total`, in the store's prometheus registry.
@@ -78,6 +92,12 @@ class Manifest:
     bytes: int
     leased_until: float | None
     holders: tuple[str, ...]  # holders of unexpired leases, sorted
+    version: int = 0  # this contents' version: each put gives a new, larger one
+
+    @property
+    def ref(self) -> str:
+        """`"<run>@<version>"`: what to read, lease or patch from to get exactly this version."""
+        return run_ref(self.run_id, self.version)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -101,6 +121,28 @@ class _Run:
     created_at: float
     bytes: int
     leases: dict[str, float]  # holder -> expiry (store clock)
+    version: int
+    pinned: set[str] = field(default_factory=set)  # holders who leased this very version
+
+
+def run_ref(run_id: str, version: int) -> str:
+    """The reference to one version of a run: `"<run>@<version>"`."""
+    return f"{run_id}{VERSION_SEPARATOR}{version}"
+
+
+def parse_ref(ref: object) -> tuple[str, int | None]:
+    """`(run id, version)` of a run reference (version None: the current one)."""
+    if not isinstance(ref, str) or not ref:
+        raise InvalidRequestError(f"run id must be a non-empty string, got {ref!r}")
+    run_id, sep, version = ref.rpartition(VERSION_SEPARATOR)
+    if not sep:
+        return ref, None
+    if not run_id or not version.isdecimal() or not version.isascii():
+        raise InvalidRequestError(
+            f"run reference {ref!r} must be a run id or '<run>{VERSION_SEPARATOR}<version>' "
+            "with an integer version"
+        )
+    return run_id, int(version)
 
 
 def check_run(
@@ -113,6 +155,11 @@ def check_run(
     problem otherwise. The store and its client both call this before anything is stored."""
     if not isinstance(run_id, str) or not run_id:
         raise InvalidRequestError(f"run id must be a non-empty string, got {run_id!r}")
+    if VERSION_SEPARATOR in run_id:
+        raise InvalidRequestError(
+            f"run id {run_id!r} contains {VERSION_SEPARATOR!r}, which names a version of a run "
+            f"('<run>{VERSION_SEPARATOR}<version>'): choose an id without it"
+        )
     if not isinstance(positions, Sequence) or isinstance(positions, str) or not positions:
         raise InvalidRequestError(f"run {run_id!r}: positions must be a non-empty list of ints")
     for p in positions:
@@ -180,7 +227,9 @@ class PatchStore:
     """An in-process, thread-safe store of runs under a byte budget, with leases.
 
     `clock` times leases (inject one to expire them in tests); `registry` receives the
-    store's prometheus metrics (a fresh one per store when not given)."""
+    store's prometheus metrics (a fresh one per store when not given). `restarted`: this
+    store replaces one that was lost (a restarted actor), so a run it does not know may have
+    been lost with the old one, and its not-found errors say so."""
 
     def __init__(
         self,
@@ -188,6 +237,7 @@ class PatchStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
+        restarted: bool = False,
     ) -> None:
         if not _is_int(budget_bytes) or budget_bytes <= 0:
             raise InvalidRequestError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -196,6 +246,12 @@ class PatchStore:
         self.clock = clock
         self._lock = threading.Lock()
         self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently used first
+        # Overwritten versions kept for their lease holders, until their last lease ends.
+        self._retired: dict[tuple[str, int], _Run] = {}
+        self.started_at = time.time()
+        self.restarted = restarted
+        self.first_version = _version_now()  # every version this store gives is >= this
+        self._last_version = self.first_version - 1
         self._gone: OrderedDict[str, str] = OrderedDict()  # run id -> why it is gone
         self._bytes = 0
         self._over_budget = False
@@ -213,6 +269,10 @@ class PatchStore:
                 lambda: max(0, self._bytes - self.budget_bytes),
             ),
             "leased_runs": ("runs with an unexpired lease", self._count_leased_runs),
+            "retired_versions": (
+                "overwritten versions kept readable for their lease holders",
+                lambda: len(self._retired),
+            ),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(f"coxswain_patch_store_{name}", doc, registry=self.registry).set_function(fn)
@@ -255,11 +315,17 @@ class PatchStore:
                 raise RunExistsError(
                     f"run {run_id!r} is already stored; pass overwrite=True to replace it"
                 )
-            leases: dict[str, float] = {}
-            if old is not None:  # holders keep their leases on the new contents
+            follow: dict[str, float] = {}
+            if old is not None:  # pinned leases keep the old version; the rest follow the id
                 self._prune_leases_locked(old, now)
-                leases = old.leases
-                self._remove_locked(old, None)
+                del self._runs[run_id]
+                follow = {h: e for h, e in old.leases.items() if h not in old.pinned}
+                old.leases = {h: e for h, e in old.leases.items() if h in old.pinned}
+                if old.leases:
+                    self._retired[(run_id, old.version)] = old
+                else:
+                    self._bytes -= old.bytes
+            self._last_version = max(self._last_version + 1, _version_now())
             run = _Run(
                 run_id=run_id,
                 model=model,
@@ -271,7 +337,8 @@ class PatchStore:
                 token_ids=tuple(int(t) for t in token_ids or ()),
                 created_at=time.time(),
                 bytes=size,
-                leases=leases,
+                leases=follow,
+                version=self._last_version,
             )
             self._runs[run_id] = run
             self._bytes += size
@@ -281,49 +348,65 @@ class PatchStore:
             return self._manifest_locked(run, now)
 
     def lease(self, run_id: str, ttl_s: float, holder: str) -> float:
-        """Hold `run_id` against eviction for `ttl_s` seconds; the expiry in the store's clock.
-        A holder leasing again refreshes its lease to now + ttl_s."""
+        """Hold a run against eviction for `ttl_s` seconds; the expiry in the store's clock.
+        `"<run>@<v>"` leases version v and pins it (it outlives an overwrite while leased);
+        a bare run id leases the current version and follows the id to an overwrite's new
+        contents. A holder leasing again refreshes its lease to now + ttl_s."""
         if not _is_number(ttl_s) or not math.isfinite(ttl_s) or ttl_s <= 0:
             raise InvalidRequestError(f"lease ttl_s must be a positive number, got {ttl_s!r}")
         if not isinstance(holder, str) or not holder:
             raise InvalidRequestError(f"lease holder must be a non-empty string, got {holder!r}")
         with self._lock:
             now = self.clock()
+            self._prune_retired_locked(now)
             run = self._get_locked(run_id)
             self._prune_leases_locked(run, now)
             self._count("leases_refreshed" if holder in run.leases else "leases_granted")
             run.leases[holder] = expiry = now + float(ttl_s)
-            self._runs.move_to_end(run_id)
+            if parse_ref(run_id)[1] is not None:
+                run.pinned.add(holder)
+            else:
+                run.pinned.discard(holder)
+            self._touch_locked(run)
             return expiry
 
     def release(self, run_id: str, holder: str) -> bool:
-        """Give up `holder`'s lease on `run_id`. False when it held none (never, expired, or the
-        run is gone): releasing is idempotent cleanup."""
+        """Give up `holder`'s leases on `run_id` (every version of it; `"<run>@<v>"`: on
+        version v only). False when it held none (never, expired, or the run is gone):
+        releasing is idempotent cleanup. A version kept only for its leases goes with the last."""
+        name, version = parse_ref(run_id)
         with self._lock:
             now = self.clock()
-            run = self._runs.get(run_id)
             released = False
-            if run is not None:
+            for run in self._versions_locked(name):
+                if version is not None and run.version != version:
+                    continue
                 self._prune_leases_locked(run, now)
-                released = run.leases.pop(holder, None) is not None
-                if released:
+                run.pinned.discard(holder)
+                if run.leases.pop(holder, None) is not None:
+                    released = True
                     self._count("leases_released")
+            self._prune_retired_locked(now)
             self._enforce_budget_locked(now)
             return released
 
     def drop_run(self, run_id: str) -> int:
-        """Remove a run now, leased or not (the owner's action); the bytes freed."""
+        """Remove a run now, every version of it, leased or not (the owner's action); the
+        bytes freed. `"<run>@<v>"` drops version v only."""
+        name, version = parse_ref(run_id)
         with self._lock:
-            run = self._get_locked(run_id)
-            self._remove_locked(run, "dropped by its owner")
+            runs = [self._get_locked(run_id)] if version is not None else []
+            runs = runs or self._versions_locked(name) or [self._get_locked(run_id)]
+            for run in runs:
+                self._remove_locked(run, "dropped by its owner")
             self._count("drops")
-            return run.bytes
+            return sum(run.bytes for run in runs)
 
     def invalidate_all(self, reason: str = "") -> int:
         """Drop every run, leased or not (the weights changed); how many runs were dropped."""
         why = f"invalidated ({reason})" if reason else "invalidated (weights changed)"
         with self._lock:
-            runs = list(self._runs.values())
+            runs = [*self._runs.values(), *self._retired.values()]
             for run in runs:
                 self._remove_locked(run, why)
             self._count("invalidations")
@@ -336,7 +419,8 @@ class PatchStore:
 
     def get_rows(self, run_id: str, keys: Sequence[RowKey]) -> torch.Tensor:
         """The rows at `keys` (each `(layer, site, position)`) as `[len(keys), H]` in the run's
-        dtype. Every key must be held: a missing one is an error, never a zero row."""
+        dtype; `run_id` may name a version (`"<run>@<v>"`). Every key must be held: a missing
+        one is an error, never a zero row, and a version gone is an error, never another's."""
         with self._lock:
             self._count("gets")
             try:
@@ -345,7 +429,7 @@ class PatchStore:
             except (RunNotFoundError, InvalidRequestError):
                 self._count("misses")
                 raise
-            self._runs.move_to_end(run_id)
+            self._touch_locked(run)
             self._count("hits")
             self._count("rows_served", len(keys))
         # Stored tensors are never written after put, so the gather needs no lock.
@@ -357,9 +441,11 @@ class PatchStore:
         return out
 
     def manifests(self, run_ids: Iterable[str] | None = None) -> list[Manifest]:
-        """Metadata of the runs named (all runs, least recently used first, when None)."""
+        """Metadata of the runs named (all runs' current versions, least recently used first,
+        when None); a `"<run>@<v>"` names that version."""
         with self._lock:
             now = self.clock()
+            self._prune_retired_locked(now)
             if run_ids is None:
                 runs = list(self._runs.values())
             elif isinstance(run_ids, str):
@@ -374,9 +460,11 @@ class PatchStore:
             now = self.clock()
             for run in self._runs.values():
                 self._prune_leases_locked(run, now)
-            leased = [run for run in self._runs.values() if run.leases]
+            self._prune_retired_locked(now)
+            leased = [run for run in [*self._runs.values(), *self._retired.values()] if run.leases]
             return {
                 "runs": len(self._runs),
+                "retired_versions": len(self._retired),
                 "bytes": self._bytes,
                 "budget_bytes": self.budget_bytes,
                 "bytes_over_budget": max(0, self._bytes - self.budget_bytes),
@@ -392,18 +480,64 @@ class PatchStore:
         if amount:
             self._counters[name].inc(amount)
 
-    def _get_locked(self, run_id: str) -> _Run:
+    def _get_locked(self, ref: str) -> _Run:
+        """The run a reference names (a run id: its current version), or RunNotFoundError
+        saying why it is not here."""
+        run_id, version = parse_ref(ref)
         run = self._runs.get(run_id)
-        if run is None:
-            why = self._gone.get(run_id)
-            raise RunNotFoundError(
-                f"run {run_id!r} is not in the patch store: "
-                + (f"it was {why}" if why else "it was never stored (or is long gone)")
+        if version is None:
+            if run is not None:
+                return run
+            raise RunNotFoundError(f"run {run_id!r} is not in the patch store: {self._why(run_id)}")
+        if run is not None and run.version == version:
+            return run
+        retired = self._retired.get((run_id, version))
+        if retired is not None:
+            return retired
+        if version < self.first_version:
+            why = (
+                f"the patch store restarted at {_clock_time(self.started_at)} and lost it"
+                if self.restarted
+                else "it is from before this patch store started"
             )
-        return run
+        elif run is not None and run.version > version:
+            why = (
+                f"it was overwritten by version {run.version} and no lease held it; lease "
+                f"'{run_id}{VERSION_SEPARATOR}<version>' to keep a version while you read it"
+            )
+        elif run is not None:
+            why = f"the run's current version is {run.version}"
+        else:
+            why = self._why(run_id)
+        raise RunNotFoundError(f"version {version} of run {run_id!r} is gone: {why}")
+
+    def _why(self, run_id: str) -> str:
+        """Why a run id is not held, as far as this store knows."""
+        why = self._gone.get(run_id)
+        if why is not None:
+            return f"it was {why}"
+        if self.restarted:
+            return (
+                f"the patch store restarted at {_clock_time(self.started_at)}, and every run "
+                "stored before that is gone (or it was never stored): capture it again"
+            )
+        return "it was never stored (or is long gone)"
+
+    def _versions_locked(self, run_id: str) -> list[_Run]:
+        """Every version of `run_id` held: the current one (if any) and those kept by leases."""
+        current = self._runs.get(run_id)
+        kept = [run for (name, _), run in self._retired.items() if name == run_id]
+        return ([current] if current is not None else []) + kept
+
+    def _touch_locked(self, run: _Run) -> None:
+        if self._runs.get(run.run_id) is run:
+            self._runs.move_to_end(run.run_id)
 
     def _remove_locked(self, run: _Run, why: str | None) -> None:
-        del self._runs[run.run_id]
+        if self._runs.get(run.run_id) is run:
+            del self._runs[run.run_id]
+        else:
+            del self._retired[(run.run_id, run.version)]
         self._bytes -= run.bytes
         if why is not None:
             self._gone[run.run_id] = why
@@ -411,15 +545,24 @@ class PatchStore:
             while len(self._gone) > _GONE_REMEMBERED:
                 self._gone.popitem(last=False)
 
+    def _prune_retired_locked(self, now: float) -> None:
+        """Forget overwritten versions whose last lease has ended."""
+        for run in list(self._retired.values()):
+            self._prune_leases_locked(run, now)
+            if not run.leases:
+                self._remove_locked(run, None)
+
     def _prune_leases_locked(self, run: _Run, now: float) -> None:
         for holder, expiry in list(run.leases.items()):
             if expiry <= now:
                 del run.leases[holder]
+                run.pinned.discard(holder)
                 self._count("leases_expired")
 
     def _enforce_budget_locked(self, now: float, keep: str | None = None) -> None:
         """Evict unleased runs, least recently used first, until the store fits its budget;
         `keep` (the run just stored) is never the one evicted."""
+        self._prune_retired_locked(now)
         if self._bytes <= self.budget_bytes:
             self._over_budget = False
             return
@@ -459,12 +602,23 @@ class PatchStore:
             bytes=run.bytes,
             leased_until=max(run.leases.values()) if run.leases else None,
             holders=tuple(sorted(run.leases)),
+            version=run.version,
         )
 
     def _count_leased_runs(self) -> int:
         with self._lock:
             now = self.clock()
-            return sum(any(e > now for e in run.leases.values()) for run in self._runs.values())
+            runs = [*self._runs.values(), *self._retired.values()]
+            return sum(any(e > now for e in run.leases.values()) for run in runs)
+
+
+def _version_now() -> int:
+    """Microseconds since the epoch: the smallest version a store may give now."""
+    return time.time_ns() // 1000
+
+
+def _clock_time(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix_s))
 
 
 def _group_rows(run: _Run, keys: Sequence[RowKey]) -> dict[LayerSite, tuple[list[int], list[int]]]:

@@ -58,9 +58,9 @@ def test_a_study_sweep_is_the_sweep_grid(path, full):
     ref = Sweep(_engine(path), spec).run()
     assert isinstance(full, StudyResult) and full.source == "clean prompt"
     assert full.grid.shape == (2, 3, N) and not np.isnan(full.grid).any()
-    assert np.allclose(full.grid, ref.grid, atol=1e-5, rtol=0)
-    assert full.clean == pytest.approx(ref.clean, abs=1e-5)
-    assert full.corrupt == pytest.approx(ref.corrupt, abs=1e-5)
+    assert np.allclose(full.grid, ref.grid, atol=1e-4, rtol=0)
+    assert full.clean == pytest.approx(ref.clean, abs=1e-4)
+    assert full.corrupt == pytest.approx(ref.corrupt, abs=1e-4)
     assert full.tokens == ref.tokens and full.sites == SITES
 
 
@@ -69,11 +69,31 @@ def test_zoom_re_sweeps_exactly_the_sub_grid(study, full):
     zoomed = study.zoom(full, layers=layers, positions=positions, sites=["hook_resid_pre"])
     assert zoomed.grid.shape == (1, 2, 3) and zoomed.sites == ["pre_attn"]
     want = full.grid[1][np.ix_(layers, positions)]
-    assert np.allclose(zoomed.grid[0], want, atol=1e-5, rtol=0)
+    assert np.allclose(zoomed.grid[0], want, atol=1e-4, rtol=0)
     # another alpha: alpha 0 leaves every cell at the corrupt baseline
     off = study.zoom(full, layers=[1], positions=[0, 10], alpha=0.0)
     assert off.spec.alpha == 0.0 and off.sites == SITES
-    assert np.allclose(off.grid, full.corrupt, atol=1e-5, rtol=0)
+    assert np.allclose(off.grid, full.corrupt, atol=1e-4, rtol=0)
+
+
+def test_zoom_on_skipped_positions_says_why_instead_of_a_silent_nan_grid(study, unaligned):
+    assert unaligned.skipped == [4]
+    steps = study.engine.num_steps
+    with pytest.raises(InvalidRequestError, match=r"zoom has nothing to patch") as e:
+        study.zoom(unaligned, positions=[4])
+    message = str(e.value)
+    assert "positions [4] are skipped (unaligned)" in message
+    assert "clean prompt has 10 tokens and the corrupt prompt 8" in message
+    assert "prefix_len=4, suffix_len=3, offset=2" in message
+    assert study.engine.num_steps == steps  # refused before anything ran
+    # Some valid positions among them: the valid cells run, the skipped one warns and says why.
+    with pytest.warns(UserWarning, match=r"positions \[4\] are skipped \(unaligned\)"):
+        mixed = study.zoom(unaligned, positions=[3, 4])
+    assert mixed.skipped == [4] and np.isnan(mixed.grid[..., 1]).all()
+    assert np.allclose(mixed.grid[..., 0], unaligned.grid[..., 3], atol=1e-4, rtol=0)
+    # A plain sweep of skipped positions only is the same clear error.
+    with pytest.raises(InvalidRequestError, match="no position of this sweep can be patched"):
+        study.sweep(SHORT_CORRUPT, ANSWER, FOIL, positions=[4], clean_prompt=LONG_CLEAN)
 
 
 def test_top_lists_the_largest_finite_cells_in_order(study, full, unaligned):
@@ -124,17 +144,17 @@ def test_a_captured_clean_run_sweeps_like_the_inline_clean_prompt(path, full):
     assert manifest.positions == tuple(range(N)) and manifest.token_ids == tuple(CLEAN)
     res = study.sweep(CORRUPT, ANSWER, FOIL)  # the last captured run
     assert res.source == "stored run 'clean-1'" and res.spec.source_run == "clean-1"
-    assert np.allclose(res.grid[0], full.grid[0], atol=1e-5, rtol=0)
-    assert res.clean == pytest.approx(full.clean, abs=1e-5)
+    assert np.allclose(res.grid[0], full.grid[0], atol=1e-4, rtol=0)
+    assert res.clean == pytest.approx(full.clean, abs=1e-4)
     (manifest,) = store.manifests(["clean-1"])
     assert not [h for h in manifest.holders if h.startswith("patch-study")]  # lease released
     zoomed = study.zoom(res, layers=[1], positions=[3, 7])
     assert zoomed.source == res.source
-    assert np.allclose(zoomed.grid[0, 0], full.grid[0, 1, [3, 7]], atol=1e-5, rtol=0)
+    assert np.allclose(zoomed.grid[0, 0], full.grid[0, 1, [3, 7]], atol=1e-4, rtol=0)
     # sites the run lacks: the kept clean prompt is captured inline, same numbers
     other = study.sweep(CORRUPT, ANSWER, FOIL, sites=["pre_attn"], layers=[0, 2])
     assert "inline" in other.source and other.spec.source_run is None
-    assert np.allclose(other.grid[0], full.grid[1, [0, 2]], atol=1e-5, rtol=0)
+    assert np.allclose(other.grid[0], full.grid[1, [0, 2]], atol=1e-4, rtol=0)
     with pytest.raises(RunExistsError, match="clean-1"):
         study.capture_clean(CLEAN, run="clean-1")
     assert not engine.has_unfinished_requests()
@@ -147,7 +167,7 @@ def test_a_stored_run_of_another_length_is_aligned_inline(path, study, unaligned
     assert run.startswith("clean-") and store.manifests([run])
     res = stored.sweep(SHORT_CORRUPT, ANSWER, FOIL, layers=[0, 2])
     assert "aligned" in res.source and res.skipped == [4]
-    assert np.allclose(res.grid, unaligned.grid, atol=1e-5, rtol=0, equal_nan=True)
+    assert np.allclose(res.grid, unaligned.grid, atol=1e-4, rtol=0, equal_nan=True)
 
 
 def test_without_a_store_capture_clean_keeps_the_prompt(path, full):
@@ -155,7 +175,7 @@ def test_without_a_store_capture_clean_keeps_the_prompt(path, full):
     run = study.capture_clean(CLEAN, run="kept")
     res = study.sweep(CORRUPT, ANSWER, FOIL, sites=["post_block"], layers=[0, 1])
     assert run == "kept" and "inline" in res.source and res.run == "kept"
-    assert np.allclose(res.grid[0], full.grid[0, :2], atol=1e-5, rtol=0)
+    assert np.allclose(res.grid[0], full.grid[0, :2], atol=1e-4, rtol=0)
     assert study.engine.num_steps > 0 and not study.engine.has_unfinished_requests()
 
 

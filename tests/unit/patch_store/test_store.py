@@ -141,19 +141,79 @@ def test_token_ids_must_cover_the_positions():
     assert m.token_ids == (1, 2, 3, 4, 5) and m.model == "tiny@abc"
 
 
-def test_put_over_an_existing_run_needs_overwrite_and_keeps_its_leases():
+def test_put_over_an_existing_run_needs_overwrite_and_gives_a_new_version():
     store = store_for(3)
-    store.put_run("r", rows(1), POSITIONS)
-    store.lease("r", 60, "engine-0")
+    first = store.put_run("r", rows(1), POSITIONS)
+    store.lease("r", 60, "engine-0")  # on the bare id: the lease follows it to new contents
     with pytest.raises(RunExistsError, match="overwrite=True") as e:
         store.put_run("r", rows(2), POSITIONS)
     assert grpc_status(e.value).name == "ALREADY_EXISTS"
     m = store.put_run("r", rows(2), POSITIONS, overwrite=True)
+    assert m.version > first.version and m.ref == f"r@{m.version}"
     assert m.holders == ("engine-0",)
     assert torch.equal(
         store.get_rows("r", [(0, "post_block", 2)])[0], rows(2)[(0, "post_block")][2]
     )
+    # Nobody pinned the first version: it is gone, and reading it says so (never version 2).
+    with pytest.raises(RunNotFoundError, match=f"overwritten by version {m.version}") as e:
+        store.get_rows(first.ref, [(0, "post_block", 2)])
+    assert http_status(e.value) == 404
     assert store.stats()["bytes"] == RUN_BYTES
+
+
+def test_a_leased_version_outlives_an_overwrite_until_its_lease_ends():
+    clock = Clock()
+    store = store_for(3, clock)
+    v1 = store.put_run("r", rows(1), POSITIONS)
+    store.lease(v1.ref, 60, "sweep")
+    store.lease("r", 60, "engine-0")
+    v2 = store.put_run("r", rows(2), POSITIONS, overwrite=True)
+    key = [(0, "post_block", 2)]
+    # The holder reads the version it leased; everyone naming the run gets the new one.
+    assert torch.equal(store.get_rows(v1.ref, key)[0], rows(1)[(0, "post_block")][2])
+    assert torch.equal(store.get_rows("r", key)[0], rows(2)[(0, "post_block")][2])
+    assert store.manifests(["r"])[0].holders == ("engine-0",)  # followed the run id
+    assert store.manifests([v1.ref])[0].holders == ("sweep",)  # pinned version 1
+    s = store.stats()
+    assert (s["runs"], s["retired_versions"], s["bytes"]) == (1, 1, 2 * RUN_BYTES)
+    assert store.release("r", "sweep")  # a bare run id releases the holder's every version
+    with pytest.raises(RunNotFoundError, match=f"overwritten by version {v2.version}"):
+        store.get_rows(v1.ref, key)
+    assert (store.stats()["retired_versions"], store.stats()["bytes"]) == (0, RUN_BYTES)
+    # An expired lease frees a kept version the same way.
+    store.lease(v2.ref, 5, "sweep")
+    store.put_run("r", rows(3), POSITIONS, overwrite=True)
+    assert store.stats()["retired_versions"] == 1
+    clock.now += 6
+    assert (store.stats()["retired_versions"], store.stats()["bytes"]) == (0, RUN_BYTES)
+    with pytest.raises(RunNotFoundError):
+        store.get_rows(v2.ref, key)
+
+
+def test_drop_run_drops_every_version_and_a_bare_version_ref_is_checked():
+    store = store_for(3)
+    v1 = store.put_run("r", rows(1), POSITIONS)
+    store.lease(v1.ref, 60, "sweep")
+    store.put_run("r", rows(2), POSITIONS, overwrite=True)
+    assert store.drop_run("r") == 2 * RUN_BYTES
+    with pytest.raises(RunNotFoundError, match="dropped by its owner"):
+        store.get_rows(v1.ref, [(0, "post_block", 0)])
+    with pytest.raises(InvalidRequestError, match="integer version"):
+        store.get_rows("r@latest", [(0, "post_block", 0)])
+    with pytest.raises(InvalidRequestError, match="contains '@'"):
+        store.put_run("a@b", rows(), POSITIONS)
+
+
+def test_a_restarted_store_says_a_run_it_lacks_was_lost_in_the_restart():
+    old = store_for(2)
+    v1 = old.put_run("r", rows(), POSITIONS)
+    new = PatchStore(2 * RUN_BYTES, restarted=True)
+    new.put_run("r", rows(1), POSITIONS)  # re-captured under the same id after the restart
+    with pytest.raises(RunNotFoundError, match=r"patch store restarted at .* and lost it") as e:
+        new.get_rows(v1.ref, [(0, "post_block", 0)])  # never the new run's rows
+    assert http_status(e.value) == 404
+    with pytest.raises(RunNotFoundError, match=r"restarted at .*every run stored before"):
+        new.manifests(["gone"])
 
 
 def test_a_run_larger_than_the_whole_budget_is_refused():

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63oxswain/v1/patch_store.proto\x12\x0b\x63oxswain.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x87\x01\n\tRunHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tpositions\x18\x03 \x03(\x03\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x11\n\toverwrite\x18\x05 \x01(\x08\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\"^\n\x08RowBlock\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x12\n\nrow_offset\x18\x03 \x01(\x03\x12!\n\x04rows\x18\x04 \x01(\x0b\x32\x13.coxswain.v1.Tensor\"g\n\x0bPutRunChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.coxswain.v1.RunHeaderH\x00\x12%\n\x04rows\x18\x02 \x01(\x0b\x32\x15.coxswain.v1.RowBlockH\x00\x42\x07\n\x05\x63hunk\"(\n\tLayerSite\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04site\x18\x02 \x01(\t\"\xe8\x01\n\x08Manifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12$\n\x04keys\x18\x05 \x03(\x0b\x32\x16.coxswain.v1.LayerSite\x12\x11\n\tpositions\x18\x06 \x03(\x03\x12\x11\n\ttoken_ids\x18\x07 \x03(\x03\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x19\n\x11lease_remaining_s\x18\n \x01(\x01\x12\x0f\n\x07holders\x18\x0b \x03(\t\"7\n\x06RowKey\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\"C\n\x0eGetRowsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x03(\x0b\x32\x13.coxswain.v1.RowKey\"4\n\x0fGetRowsResponse\x12!\n\x04rows\x18\x01 \x01(\x0b\x32\x13.coxswain.v1.Tensor\"=\n\x0cLeaseRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x0e\n\x06holder\x18\x03 \x01(\t\"%\n\rLeaseResponse\x12\x14\n\x0c\x65xpires_in_s\x18\x01 \x01(\x01\"0\n\x0eReleaseRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\" \n\x0e\x44ropRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"&\n\x0f\x44ropRunResponse\x12\x13\n\x0b\x62ytes_freed\x18\x01 \x01(\x03\"&\n\x14InvalidateAllRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"-\n\x15InvalidateAllResponse\x12\x14\n\x0cruns_dropped\x18\x01 \x01(\x03\"#\n\x10ManifestsRequest\x12\x0f\n\x07run_ids\x18\x01 \x03(\t\"=\n\x11ManifestsResponse\x12(\n\tmanifests\x18\x01 \x03(\x0b\x32\x15.coxswain.v1.Manifest\"\x0e\n\x0cStatsRequest\"s\n\rStatsResponse\x12\x34\n\x05stats\x18\x01 \x03(\x0b\x32%.coxswain.v1.StatsResponse.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xbf\x04\n\nPatchStore\x12;\n\x06PutRun\x12\x18.coxswain.v1.PutRunChunk\x1a\x15.coxswain.v1.Manifest(\x01\x12\x44\n\x07GetRows\x12\x1b.coxswain.v1.GetRowsRequest\x1a\x1c.coxswain.v1.GetRowsResponse\x12>\n\x05Lease\x12\x19.coxswain.v1.LeaseRequest\x1a\x1a.coxswain.v1.LeaseResponse\x12\x44\n\x07Release\x12\x1b.coxswain.v1.ReleaseRequest\x1a\x1c.coxswain.v1.ReleaseResponse\x12\x44\n\x07\x44ropRun\x12\x1b.coxswain.v1.DropRunRequest\x1a\x1c.coxswain.v1.DropRunResponse\x12V\n\rInvalidateAll\x12!.coxswain.v1.InvalidateAllRequest\x1a\".coxswain.v1.InvalidateAllResponse\x12J\n\tManifests\x12\x1d.coxswain.v1.ManifestsRequest\x1a\x1e.coxswain.v1.ManifestsResponse\x12>\n\x05Stats\x12\x19.coxswain.v1.StatsRequest\x1a\x1a.coxswain.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63oxswain/v1/patch_store.proto\x12\x0b\x63oxswain.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x87\x01\n\tRunHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tpositions\x18\x03 \x03(\x03\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x11\n\toverwrite\x18\x05 \x01(\x08\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\"^\n\x08RowBlock\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x12\n\nrow_offset\x18\x03 \x01(\x03\x12!\n\x04rows\x18\x04 \x01(\x0b\x32\x13.coxswain.v1.Tensor\"g\n\x0bPutRunChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.coxswain.v1.RunHeaderH\x00\x12%\n\x04rows\x18\x02 \x01(\x0b\x32\x15.coxswain.v1.RowBlockH\x00\x42\x07\n\x05\x63hunk\"(\n\tLayerSite\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04site\x18\x02 \x01(\t\"\xf9\x01\n\x08Manifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12$\n\x04keys\x18\x05 \x03(\x0b\x32\x16.coxswain.v1.LayerSite\x12\x11\n\tpositions\x18\x06 \x03(\x03\x12\x11\n\ttoken_ids\x18\x07 \x03(\x03\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x19\n\x11lease_remaining_s\x18\n \x01(\x01\x12\x0f\n\x07holders\x18\x0b \x03(\t\x12\x0f\n\x07version\x18\x0c \x01(\x03\"7\n\x06RowKey\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x10\n\x08position\x18\x03 \x01(\x03\"C\n\x0eGetRowsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x03(\x0b\x32\x13.coxswain.v1.RowKey\"4\n\x0fGetRowsResponse\x12!\n\x04rows\x18\x01 \x01(\x0b\x32\x13.coxswain.v1.Tensor\"=\n\x0cLeaseRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x0e\n\x06holder\x18\x03 \x01(\t\"%\n\rLeaseResponse\x12\x14\n\x0c\x65xpires_in_s\x18\x01 \x01(\x01\"0\n\x0eReleaseRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\" \n\x0e\x44ropRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"&\n\x0f\x44ropRunResponse\x12\x13\n\x0b\x62ytes_freed\x18\x01 \x01(\x03\"&\n\x14InvalidateAllRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"-\n\x15InvalidateAllResponse\x12\x14\n\x0cruns_dropped\x18\x01 \x01(\x03\"#\n\x10ManifestsRequest\x12\x0f\n\x07run_ids\x18\x01 \x03(\t\"=\n\x11ManifestsResponse\x12(\n\tmanifests\x18\x01 \x03(\x0b\x32\x15.coxswain.v1.Manifest\"\x0e\n\x0cStatsRequest\"s\n\rStatsResponse\x12\x34\n\x05stats\x18\x01 \x03(\x0b\x32%.coxswain.v1.StatsResponse.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xbf\x04\n\nPatchStore\x12;\n\x06PutRun\x12\x18.coxswain.v1.PutRunChunk\x1a\x15.coxswain.v1.Manifest(\x01\x12\x44\n\x07GetRows\x12\x1b.coxswain.v1.GetRowsRequest\x1a\x1c.coxswain.v1.GetRowsResponse\x12>\n\x05Lease\x12\x19.coxswain.v1.LeaseRequest\x1a\x1a.coxswain.v1.LeaseResponse\x12\x44\n\x07Release\x12\x1b.coxswain.v1.ReleaseRequest\x1a\x1c.coxswain.v1.ReleaseResponse\x12\x44\n\x07\x44ropRun\x12\x1b.coxswain.v1.DropRunRequest\x1a\x1c.coxswain.v1.DropRunResponse\x12V\n\rInvalidateAll\x12!.coxswain.v1.InvalidateAllRequest\x1a\".coxswain.v1.InvalidateAllResponse\x12J\n\tManifests\x12\x1d.coxswain.v1.ManifestsRequest\x1a\x1e.coxswain.v1.ManifestsResponse\x12>\n\x05Stats\x12\x19.coxswain.v1.StatsRequest\x1a\x1a.coxswain.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,39 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERSITE']._serialized_start=439
   _globals['_LAYERSITE']._serialized_end=479
   _globals['_MANIFEST']._serialized_start=482
-  _globals['_MANIFEST']._serialized_end=714
-  _globals['_ROWKEY']._serialized_start=716
-  _globals['_ROWKEY']._serialized_end=771
-  _globals['_GETROWSREQUEST']._serialized_start=773
-  _globals['_GETROWSREQUEST']._serialized_end=840
-  _globals['_GETROWSRESPONSE']._serialized_start=842
-  _globals['_GETROWSRESPONSE']._serialized_end=894
-  _globals['_LEASEREQUEST']._serialized_start=896
-  _globals['_LEASEREQUEST']._serialized_end=957
-  _globals['_LEASERESPONSE']._serialized_start=959
-  _globals['_LEASERESPONSE']._serialized_end=996
-  _globals['_RELEASEREQUEST']._serialized_start=998
-  _globals['_RELEASEREQUEST']._serialized_end=1046
-  _globals['_RELEASERESPONSE']._serialized_start=1048
-  _globals['_RELEASERESPONSE']._serialized_end=1083
-  _globals['_DROPRUNREQUEST']._serialized_start=1085
-  _globals['_DROPRUNREQUEST']._serialized_end=1117
-  _globals['_DROPRUNRESPONSE']._serialized_start=1119
-  _globals['_DROPRUNRESPONSE']._serialized_end=1157
-  _globals['_INVALIDATEALLREQUEST']._serialized_start=1159
-  _globals['_INVALIDATEALLREQUEST']._serialized_end=1197
-  _globals['_INVALIDATEALLRESPONSE']._serialized_start=1199
-  _globals['_INVALIDATEALLRESPONSE']._serialized_end=1244
-  _globals['_MANIFESTSREQUEST']._serialized_start=1246
-  _globals['_MANIFESTSREQUEST']._serialized_end=1281
-  _globals['_MANIFESTSRESPONSE']._serialized_start=1283
-  _globals['_MANIFESTSRESPONSE']._serialized_end=1344
-  _globals['_STATSREQUEST']._serialized_start=1346
-  _globals['_STATSREQUEST']._serialized_end=1360
-  _globals['_STATSRESPONSE']._serialized_start=1362
-  _globals['_STATSRESPONSE']._serialized_end=1477
-  _globals['_STATSRESPONSE_STATSENTRY']._serialized_start=1433
-  _globals['_STATSRESPONSE_STATSENTRY']._serialized_end=1477
-  _globals['_PATCHSTORE']._serialized_start=1480
-  _globals['_PATCHSTORE']._serialized_end=2055
+  _globals['_MANIFEST']._serialized_end=731
+  _globals['_ROWKEY']._serialized_start=733
+  _globals['_ROWKEY']._serialized_end=788
+  _globals['_GETROWSREQUEST']._serialized_start=790
+  _globals['_GETROWSREQUEST']._serialized_end=857
+  _globals['_GETROWSRESPONSE']._serialized_start=859
+  _globals['_GETROWSRESPONSE']._serialized_end=911
+  _globals['_LEASEREQUEST']._serialized_start=913
+  _globals['_LEASEREQUEST']._serialized_end=974
+  _globals['_LEASERESPONSE']._serialized_start=976
+  _globals['_LEASERESPONSE']._serialized_end=1013
+  _globals['_RELEASEREQUEST']._serialized_start=1015
+  _globals['_RELEASEREQUEST']._serialized_end=1063
+  _globals['_RELEASERESPONSE']._serialized_start=1065
+  _globals['_RELEASERESPONSE']._serialized_end=1100
+  _globals['_DROPRUNREQUEST']._serialized_start=1102
+  _globals['_DROPRUNREQUEST']._serialized_end=1134
+  _globals['_DROPRUNRESPONSE']._serialized_start=1136
+  _globals['_DROPRUNRESPONSE']._serialized_end=1174
+  _globals['_INVALIDATEALLREQUEST']._serialized_start=1176
+  _globals['_INVALIDATEALLREQUEST']._serialized_end=1214
+  _globals['_INVALIDATEALLRESPONSE']._serialized_start=1216
+  _globals['_INVALIDATEALLRESPONSE']._serialized_end=1261
+  _globals['_MANIFESTSREQUEST']._serialized_start=1263
+  _globals['_MANIFESTSREQUEST']._serialized_end=1298
+  _globals['_MANIFESTSRESPONSE']._serialized_start=1300
+  _globals['_MANIFESTSRESPONSE']._serialized_end=1361
+  _globals['_STATSREQUEST']._serialized_start=1363
+  _globals['_STATSREQUEST']._serialized_end=1377
+  _globals['_STATSRESPONSE']._serialized_start=1379
+  _globals['_STATSRESPONSE']._serialized_end=1494
+  _globals['_STATSRESPONSE_STATSENTRY']._serialized_start=1450
+  _globals['_STATSRESPONSE_STATSENTRY']._serialized_end=1494
+  _globals['_PATCHSTORE']._serialized_start=1497
+  _globals['_PATCHSTORE']._serialized_end=2072
 # @@protoc_insertion_point(module_scope)

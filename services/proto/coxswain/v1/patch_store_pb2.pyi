@@ -63,7 +63,7 @@ class LayerSite(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., site: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("run_id", "model", "hidden_size", "dtype", "keys", "positions", "token_ids", "created_at", "bytes", "lease_remaining_s", "holders")
+    __slots__ = ("run_id", "model", "hidden_size", "dtype", "keys", "positions", "token_ids", "created_at", "bytes", "lease_remaining_s", "holders", "version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Manifest(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model: str
     hidden_size: int
@@ -86,7 +87,8 @@ class Manifest(_message.Message):
     bytes: int
     lease_remaining_s: float
     holders: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[LayerSite, _Mapping]]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., bytes: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...
+    version: int
+    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[LayerSite, _Mapping]]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., bytes: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., holders: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RowKey(_message.Message):
     __slots__ = ("layer", "site", "position")
