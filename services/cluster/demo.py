@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
@@ -44,7 +43,6 @@ def run_demo(info: dict[str, Any]) -> None:
         spec = {"vectors": [{"layers": [0], "vector": "demo-direction"}]}
         version = http.post("/v1/steering/set", json=spec).raise_for_status().json()
         print(f"  global steering set (cluster version {version['cluster_version']})")
-        time.sleep(1.0)  # replicas reconcile within RECONCILE_PERIOD_S
         glob = http.post("/v1/completions", json=base).json()["choices"][0]["text"]
         print(f"  every request is now steered: {glob!r}")
         http.post("/v1/steering/clear").raise_for_status()

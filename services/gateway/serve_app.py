@@ -5,7 +5,8 @@ Replicas of `Engine` scale by the Serve config's `autoscaling_config`. An engine
 with `tp * pp > 1` is a group of rank actors (`services/engine/actors.py`) that the Serve
 replica owns: when a rank dies, the replica's health check fails and Serve replaces the
 replica, rank actors included. Admin changes (global steering, the vector registry) are
-recorded in the cluster state actor and every replica reconciles against it
+checked here, recorded in the cluster state (Redis, or without it a restartable actor), and
+every replica reconciles against it; a write returns once every live replica applied it
 (`services/cluster/state.py`). Everything is configured by the Serve config's `args`
 (`AppArgs`), never in code.
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import os
 import tempfile
 import threading
 import uuid
@@ -23,12 +26,24 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
-from services.cluster.state import Reconciler, state_actor
+from services.cluster.state import (
+    ClusterStore,
+    Reconciler,
+    cluster_store,
+    json_data,
+    wait_applied,
+)
 from services.common.auth import ApiKeys
-from services.common.errors import CoxswainError, ServiceUnavailableError
+from services.common.errors import (
+    CoxswainError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    unwrap_ray_error,
+)
+from services.gateway.http_auth import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +66,18 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="more EngineConfig fields")
     num_gpus_per_rank: float = Field(0, ge=0)
     api_keys_file: str | None = None
-    redis_url: str | None = None
+    redis_url: str | None = Field(
+        None,
+        validate_default=True,
+        description="redis://:PASSWORD@host:port/db; unset: $COXSWAIN_REDIS_URL (a Secret)",
+    )
     patch_store_budget_gb: float = Field(1.0, gt=0)
+    admin_apply_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="how long an admin write waits for every live engine replica to apply "
+        "it before answering 503 with the replicas' versions",
+    )
     controller_grpc_port: int | None = Field(50071, description="controller gRPC; null: off")
     allow_no_auth: bool = Field(
         False, description="serve with no API keys configured (local development only)"
@@ -61,6 +86,22 @@ class AppArgs(BaseModel):
         None, ge=1, description="fix the Engine replica count (else the Serve config's)"
     )
     grpc_port: int | None = Field(50051, description="engine gRPC front; null: off")
+    bind_host: str = Field(
+        "127.0.0.1",
+        description="interface of the engine, controller and patch-store gRPC servers",
+    )
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES,
+        ge=0,
+        description="largest HTTP request body (413 beyond, before reading)",
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_from_env(cls, value: str | None) -> str | None:
+        # A password belongs in a Secret, not in the Serve config: deployments put the URL
+        # in each pod's environment, which every replica reads when it validates its args.
+        return value or os.environ.get("COXSWAIN_REDIS_URL") or None
 
 
 def resolve_model(model: str) -> Path:
@@ -77,51 +118,25 @@ def resolve_model(model: str) -> Path:
 
 
 def _patch_store_address() -> str | None:
+    """The target of the cluster's patch store for `PatchStoreClient`: the actor, resolved
+    (address and service key) again whenever it restarts. None when the cluster has none."""
     import ray
 
+    from services.patch_store.actor import actor_target
+
     try:
-        return ray.get(ray.get_actor(PATCH_STORE_ACTOR, namespace="coxswain").address.remote())
+        ray.get_actor(PATCH_STORE_ACTOR, namespace="coxswain")
     except ValueError:  # no store in this cluster
         return None
+    return actor_target(PATCH_STORE_ACTOR, "coxswain")
 
 
 def _unwrap(exc: BaseException) -> BaseException:
     """Our error behind a Ray error, or 503 when a replica or actor died under the call."""
-    import ray.exceptions as rex
-
-    if isinstance(exc, CoxswainError):
-        return exc
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, rex.RayTaskError) and isinstance(cause, CoxswainError):
-        return cause
-    if isinstance(exc, rex.RayError):
-        detail = f"{type(cause).__name__}: {cause}" if cause is not None else type(exc).__name__
-        return ServiceUnavailableError(
-            f"the engine replica failed during the call ({detail[:300]}); "
-            "it is being replaced: retry shortly"
-        )
-    return exc
+    return unwrap_ray_error(exc, "the engine replica")
 
 
 # -- functions run against a replica's EngineService (by `Engine.call`) ------------------------
-
-
-def _check_global(service: Any, spec: Any, vectors: dict[str, Any]) -> None:
-    """Check a global spec as every replica will see it: against the cluster's registry
-    (`vectors`, which this replica may not have reconciled yet), not its own."""
-    from services.engine.interventions.manager import resolve_global
-    from services.engine.interventions.resolve import Resolver
-    from services.engine.interventions.vectors import VectorRegistry
-
-    card = service.model_card()
-    registry = VectorRegistry(card["hidden_size"], card["num_layers"])
-    for name, (_, value) in vectors.items():
-        registry.register(name, value)
-    resolve_global(Resolver(card["num_layers"], card["hidden_size"], registry), spec)
-
-
-def _check_vector(service: Any, name: str, value: Any) -> dict:
-    return service.engine.vectors._build_entry(name, value, "api").describe()
 
 
 def _method(name: str, *args: Any, **kwargs: Any) -> Any:
@@ -174,9 +189,10 @@ class EngineDeployment:
                 redis_url=a.redis_url,
                 num_gpus_per_rank=a.num_gpus_per_rank,
             )
-        self.reconciler = Reconciler(state_actor(), self._apply)
-        # Admin state applies before the first request, then follows in the background.
-        _run_in_thread(self.reconciler.once())
+        self.reconciler = Reconciler(cluster_store(a.redis_url), self._apply, self.replica_id)
+        # Admin state applies before the first request, then follows every change. A failure
+        # (an entry this engine refuses, the store unreachable) is reported, never fatal.
+        _run_in_thread(self.reconciler.step())
         threading.Thread(
             target=asyncio.run, args=(self.reconciler.run(),), daemon=True, name="reconcile"
         ).start()
@@ -211,11 +227,14 @@ class EngineDeployment:
         return await self._apply(fn, *args)
 
     async def admin_version(self) -> dict:
-        """Which cluster-state version this replica has applied (and the replica's id)."""
+        """Which cluster-state version this replica has applied, the entries it refused
+        (`rejected`: `vector:<name>` or `global`, with the reason) and its id."""
         r = self.reconciler
         return {
             "replica": self.replica_id,
             "applied_version": r.version,
+            "epoch": r.epoch,
+            "rejected": r.rejected,
             "last_error": r.last_error,
         }
 
@@ -236,13 +255,15 @@ class RemoteEngine:
     """`EngineService`'s interface for the gateway, over the Engine deployment's replicas.
 
     Generation and sweeps go to one replica each (Serve picks it); admin writes are checked
-    on a replica, then recorded in the cluster state that every replica reconciles to (so
-    they reach all replicas within a second, and replicas started later too).
+    here with the engine's own checks (vector names included), recorded in the cluster
+    `store` that every replica reconciles to (replicas started later too), and return once
+    every live replica applied them, or after `apply_timeout_s` with a 503 naming the
+    replicas behind: the next request sees the change, whichever replica serves it.
     """
 
-    def __init__(self, handle: Any, state: Any):
+    def __init__(self, handle: Any, store: ClusterStore, apply_timeout_s: float = 10.0):
         self.handle = handle
-        self.state = state
+        self.store, self.apply_timeout_s = store, apply_timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="remote-engine")
         self._card = self._sync(self.handle.call.remote(_method("model_card")))
         self.model_id = self._card["id"]
@@ -266,11 +287,7 @@ class RemoteEngine:
 
     @staticmethod
     def _result(response: Any) -> Any:
-        import ray
-
         try:
-            if isinstance(response, ray.ObjectRef):  # an actor call (the cluster state)
-                return ray.get(response, timeout=60)
             return response.result()
         except BaseException as exc:
             raise _unwrap(exc) from None
@@ -322,39 +339,81 @@ class RemoteEngine:
         finally:
             stream.cancel()
 
-    # -- admin: checked on a replica, recorded for all -----------------------------------------
+    # -- admin: checked here, recorded for all, applied everywhere before answering ----------
 
     async def set_global_steering(self, spec: Any) -> dict:
-        desired = await self._await(self.state.desired.remote())
-        await self._await(self.handle.call.remote(_check_global, spec, desired["vectors"]))
-        version = await self._await(self.state.set_global.remote(spec))
-        return {**await self._state(), "cluster_version": version, "global_spec": spec}
+        applied = await asyncio.to_thread(self._set_global, spec)
+        state = await self._state(applied["replicas"])
+        return {**state, "cluster_version": applied["cluster_version"], "global_spec": spec}
 
     async def clear_global_steering(self) -> dict:
-        version = await self._await(self.state.set_global.remote(None))
-        return {**await self._state(), "cluster_version": version, "global_spec": None}
+        return await self.set_global_steering(None)
 
-    async def _state(self) -> dict:  # never block the loop on a response: Serve needs it
+    def _set_global(self, spec: Any) -> dict:
+        """Check `spec` as every replica will resolve it (against the cluster's registry, not
+        one replica's), record it, wait until every live replica applied it."""
+        from services.engine.interventions.manager import resolve_global
+        from services.engine.interventions.resolve import Resolver
+        from services.engine.interventions.spec import parse_steering
+
+        parsed = parse_steering(spec)
+        if parsed is not None:
+            card = self._card
+            registry = self._registry(self.store.desired().vectors)
+            resolve_global(Resolver(card["num_layers"], card["hidden_size"], registry), spec)
+        return self._applied(self.store.set_global(None if parsed is None else json_data(parsed)))
+
+    def _registry(self, vectors: dict[str, Any] | None = None) -> Any:
+        """A registry checking what every engine's does (model shape, names), holding the
+        recorded `vectors` minus any it refuses (the replicas skip those too)."""
+        from services.engine.interventions.vectors import VectorRegistry
+
+        registry = VectorRegistry(self._card["hidden_size"], self._card["num_layers"])
+        for name, value in (vectors or {}).items():
+            with contextlib.suppress(InvalidRequestError):
+                registry.register(name, value)
+        return registry
+
+    def _applied(self, head: tuple[str, int]) -> dict:
+        """Wait until every live replica applied `head`: the write's `cluster_version` and
+        the replicas' reports (ServiceUnavailableError naming the ones behind on timeout)."""
+        reports = wait_applied(self.store, head, self.apply_timeout_s)
+        return {"cluster_version": head[1], "replicas": reports}
+
+    async def _state(self, reports: dict | None = None) -> dict:
+        # never block the loop on a response: Serve needs it
         state = await self._await(self.handle.call.remote(_method("steering_state")))
-        return {**state, "cluster": await self._await(self.handle.admin_version.remote())}
+        admin = await self._await(self.handle.admin_version.remote())
+        return {**state, "cluster": await asyncio.to_thread(self._cluster, admin, reports)}
+
+    def _cluster(self, replica: dict, reports: dict | None = None) -> dict:
+        """One replica's admin view (`replica`, `applied_version`, `rejected`, `last_error`)
+        plus the cluster's: the recorded `version` and every live replica's report."""
+        view = dict(replica)
+        try:
+            view["version"] = self.store.head()[1]
+            view["replicas"] = self.store.reports() if reports is None else reports
+        except ServiceUnavailableError as exc:  # the engine's state is still worth showing
+            view["store_error"] = str(exc)
+        return view
 
     def register_vector(self, name: str, value: Any, *, overwrite: bool = False) -> dict:
-        info = self._call(_check_vector, name, value)
-        version = self._sync(self.state.put_vector.remote(name, value, overwrite))
-        return {**info, "cluster_version": version}
+        return self._record(self._registry().register(name, value), overwrite)
 
     def import_vector(self, name: str, path: str, *, overwrite: bool = False) -> dict:
         """Read a .gguf/.safetensors file on the gateway's host; register its values."""
-        from services.engine.interventions.vectors import VectorRegistry
+        return self._record(self._registry().import_file(name, path), overwrite)
 
-        card = self._card
-        entry = VectorRegistry(card["hidden_size"], card["num_layers"]).import_file(name, path)
-        value = entry.per_layer if entry.per_layer is not None else entry.vector
-        return self.register_vector(name, value, overwrite=overwrite)
+    def _record(self, entry: Any, overwrite: bool) -> dict:
+        """Record a checked `NamedVector` (tensors packed: exact) and wait until every live
+        replica registered it."""
+        value = entry.vector if entry.per_layer is None else entry.per_layer
+        head = self.store.put_vector(entry.name, json_data(value), overwrite)
+        return {**entry.describe(), **self._applied(head)}
 
     def unregister_vector(self, name: str) -> dict:
-        self._sync(self.state.drop_vector.remote(name))
-        return {"name": name, "unregistered": True}
+        # No name check: an entry recorded before names were checked must stay removable.
+        return {"name": name, "unregistered": True, **self._applied(self.store.drop_vector(name))}
 
     def list_vectors(self) -> list[dict]:
         return self._call(_method("list_vectors"))
@@ -373,7 +432,7 @@ class RemoteEngine:
     def steering_state(self) -> dict:
         state = self._call(_method("steering_state"))
         admin = self._sync(self.handle.admin_version.remote())
-        return {**state, "cluster": admin}
+        return {**state, "cluster": self._cluster(admin)}
 
     def dynamic_state(self) -> dict:
         return self._call(_method("dynamic_state"))
@@ -397,7 +456,7 @@ def _gateway_asgi(args: dict) -> Any:
         a = AppArgs.model_validate(args)
         app_name = serve.get_replica_context().app_name
         engine = serve.get_deployment_handle("Engine", app_name=app_name)
-        backend = RemoteEngine(engine, state_actor())
+        backend = RemoteEngine(engine, cluster_store(a.redis_url), a.admin_apply_timeout_s)
         keys = ApiKeys.from_env(a.api_keys_file)
         if not keys.enabled and not a.allow_no_auth:
             raise CoxswainError(
@@ -410,15 +469,15 @@ def _gateway_asgi(args: dict) -> Any:
             from services.patch_store.client import PatchStoreClient
 
             store = PatchStoreClient(address)
-        app = build_http_app(backend, keys, patch_store=store)
+        app = build_http_app(backend, keys, patch_store=store, max_body_bytes=a.max_body_bytes)
         if a.grpc_port is not None:
-            _start_grpc(backend, keys, a.grpc_port)
+            _start_grpc(backend, keys, a.grpc_port, a.bind_host)
         return app
 
     return build
 
 
-def _start_grpc(backend: Any, keys: ApiKeys, port: int) -> None:
+def _start_grpc(backend: Any, keys: ApiKeys, port: int, host: str) -> None:
     """The engine gRPC front, on its own event loop in a daemon thread of the gateway."""
     from services.gateway.grpc_server import serve_engine_grpc
 
@@ -426,7 +485,7 @@ def _start_grpc(backend: Any, keys: ApiKeys, port: int) -> None:
 
     async def main() -> None:
         try:
-            server, bound = await serve_engine_grpc(backend, keys, port, host="0.0.0.0")
+            server, bound = await serve_engine_grpc(backend, keys, port, host=host)
         except BaseException as exc:
             started.set_exception(exc)
             return
@@ -448,9 +507,12 @@ def start_cluster_actors(a: AppArgs) -> None:
 
     start_patch_store_actor(
         int(a.patch_store_budget_gb * 2**30),
+        keys=ApiKeys.from_env(a.api_keys_file),  # beside the actor's own service key
+        host=a.bind_host,
         name=PATCH_STORE_ACTOR,
         namespace="coxswain",
         lifetime="detached",
+        max_restarts=-1,  # restarted empty; clients re-resolve it (services/patch_store/actor.py)
         get_if_exists=True,
     )
     if a.redis_url:
@@ -465,9 +527,29 @@ def start_cluster_actors(a: AppArgs) -> None:
                 "max_restarts": -1,
                 "get_if_exists": True,  # replicas start concurrently
             },
+            grpc_host=a.bind_host,
             grpc_port=a.controller_grpc_port,
             keys=ApiKeys.from_env(a.api_keys_file),
         )
+
+
+# Serve's default `max_ongoing_requests` (5) would cap an engine's batch at 5 requests and
+# queue `/health` behind generation. An Engine replica takes its running batch plus as many
+# waiting (so the next batch is ready as sequences finish), plus room for control calls
+# (state, stats, health); the Gateway holds every client's stream, so it takes many more,
+# and requests beyond the engines' capacity wait in its handle, not at the HTTP proxy.
+ENGINE_CONTROL_CALLS = 16
+GATEWAY_MIN_ONGOING = 1024
+
+
+def max_ongoing_requests(a: AppArgs) -> tuple[int, int]:
+    """(Engine, Gateway) `max_ongoing_requests`, sized from the engine's `max_num_seqs`
+    (a Serve config's deployment options still override them)."""
+    from services.engine.config import EngineConfig
+
+    seqs = int(a.engine.get("max_num_seqs", EngineConfig.max_num_seqs))
+    engine = 2 * seqs + ENGINE_CONTROL_CALLS
+    return engine, max(GATEWAY_MIN_ONGOING, 2 * engine * (a.engine_replicas or 1))
 
 
 def build_app(args: dict) -> Any:
@@ -477,7 +559,10 @@ def build_app(args: dict) -> Any:
     starts the shared actors (`start_cluster_actors`)."""
     a = AppArgs.model_validate(args)
     plain = a.model_dump()
-    engine = serve.deployment(name="Engine", health_check_period_s=5)(EngineDeployment)
+    engine_ongoing, gateway_ongoing = max_ongoing_requests(a)
+    engine = serve.deployment(
+        name="Engine", health_check_period_s=5, max_ongoing_requests=engine_ongoing
+    )(EngineDeployment)
     if a.engine_replicas is not None:
         engine = engine.options(num_replicas=a.engine_replicas)
 
@@ -485,5 +570,7 @@ def build_app(args: dict) -> Any:
         def __init__(self, engine_handle: Any):
             self.engine = engine_handle  # binds Engine into this application
 
-    gateway = serve.deployment(name="Gateway")(serve.ingress(_gateway_asgi(plain))(Gateway))
+    gateway = serve.deployment(name="Gateway", max_ongoing_requests=gateway_ongoing)(
+        serve.ingress(_gateway_asgi(plain))(Gateway)
+    )
     return gateway.bind(engine.bind(plain))

@@ -65,6 +65,22 @@ class NamedVector:
         }
 
 
+def check_vector_name(name: object) -> str:
+    """`name` if it can name a vector (1-128 of letters, digits, `_ . : / -`), else
+    InvalidRequestError saying why. The one check: the registry and the cluster's admin API
+    (before anything is recorded) both call it, so they refuse exactly the same names."""
+    if not isinstance(name, str):
+        raise InvalidRequestError(
+            f"invalid vector name: it must be a string, got {type(name).__name__}"
+        )
+    if not _NAME.fullmatch(name):
+        shown = name if len(name) <= 40 else f"{name[:40]}... ({len(name)} characters)"
+        raise InvalidRequestError(
+            f"invalid vector name {shown!r}: use 1-128 letters, digits or _ . : / -"
+        )
+    return name
+
+
 def vector_for_layer(entry: NamedVector, layer: int) -> torch.Tensor:
     """The `[H]` direction `entry` applies at `layer`; an error if a per-layer entry lacks it."""
     if entry.per_layer is None:
@@ -103,10 +119,7 @@ class VectorRegistry:
         for every layer, `[n, H]` is per-layer with row `i` for layer `i` — or a mapping
         `{layer: [H] value}` (JSON's string keys such as `"12"` are accepted).
         """
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise InvalidRequestError(
-                f"invalid vector name {name!r}: use 1-128 letters, digits or _ . : / -"
-            )
+        check_vector_name(name)
         entry = self._build_entry(name, value, source)
         with self.mirror_lock, self._lock:
             if name in self._entries and not overwrite:
