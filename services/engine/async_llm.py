@@ -4,6 +4,10 @@ The engine steps in one background thread (a model forward blocks); each request
 outputs are handed to whoever asked for them: an asyncio caller of `generate()`, or any
 thread through `submit()`'s callback. Listeners see every step's outputs (the async
 controller's read-out publisher is one).
+
+String prompts are tokenized before they reach the engine thread (in a worker thread for
+`generate`, in the caller's thread for `submit`): tokenizing a long prompt takes a while,
+and on the engine thread it would stall every other request's steps.
 """
 
 from __future__ import annotations
@@ -69,13 +73,35 @@ class AsyncLLM:
         hands admission to the engine thread instead)."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params)
-            self._deliver[request_id] = deliver
+        text = None
+        if isinstance(prompt, str):  # here, not under the engine lock a step holds
+            text, prompt = prompt, self.tokenizer.encode(prompt)
+        self._add(request_id, prompt, text, params, deliver)
         self._wake.set()
 
+    def _add(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        text: str | None,
+        params: SamplingParams | None,
+        deliver: Deliver,
+    ) -> None:
+        """Add a request to the engine under its lock. `text`: what token-id `prompt` was
+        encoded from, kept on the request so its outputs report it."""
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params)
+            if text is not None:
+                self.engine.requests[request_id].prompt = text
+            self._deliver[request_id] = deliver
+
     def _enqueue(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None, deliver: Deliver
+        self,
+        request_id: str,
+        prompt: Prompt,
+        text: str | None,
+        params: SamplingParams | None,
+        deliver: Deliver,
     ) -> concurrent.futures.Future:
         """Hand a request to the engine thread, which admits it between steps. Admission
         (resolving steering, patches, captures) never runs on a caller's thread, so an
@@ -84,7 +110,7 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is shut down")
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         with self._inbox_lock:
-            self._admissions.append((request_id, prompt, params, deliver, admitted))
+            self._admissions.append((request_id, prompt, text, params, deliver, admitted))
         self._wake.set()
         return admitted
 
@@ -93,9 +119,13 @@ class AsyncLLM:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        prompt_text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after each step; the last one has `finished=True`.
 
+        A string prompt is tokenized in a worker thread. `prompt_text`: the text a token-id
+        `prompt` was encoded from (a caller that tokenized it already), for the outputs.
         Bad input raises here, before anything is yielded. Closing the generator early
         (`aclose()`, e.g. via `contextlib.aclosing`, when the client went away) aborts the
         request and frees its KV blocks.
@@ -108,7 +138,9 @@ class AsyncLLM:
             if not loop.is_closed():  # the caller's loop may be gone (its stream with it)
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        admitted = self._enqueue(rid, prompt, params, deliver)
+        if isinstance(prompt, str):
+            prompt_text, prompt = prompt, await asyncio.to_thread(self.tokenizer.encode, prompt)
+        admitted = self._enqueue(rid, prompt, prompt_text, params, deliver)
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:  # gone before admission: abort once it is admitted
@@ -173,11 +205,9 @@ class AsyncLLM:
         with self._inbox_lock:
             admissions, self._admissions = self._admissions, deque()
             aborts, self._aborts = self._aborts, deque()
-        for rid, prompt, params, deliver, admitted in admissions:
+        for rid, prompt, text, params, deliver, admitted in admissions:
             try:
-                with self._lock:
-                    self.engine.add_request(rid, prompt, params)
-                    self._deliver[rid] = deliver
+                self._add(rid, prompt, text, params, deliver)
             except BaseException as exc:
                 admitted.set_exception(exc)
             else:

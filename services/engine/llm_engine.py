@@ -158,6 +158,8 @@ class LLMEngine:
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string or a token-id list."""
         if isinstance(prompt, str):
+            if not prompt:  # it would encode to BOS alone: a request with nothing to say
+                raise InvalidRequestError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
             raise InvalidRequestError("a prompt must be a string or a list of token ids")

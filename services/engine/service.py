@@ -5,6 +5,11 @@ back into their wire formats; nothing here knows about either. The engine steps 
 `AsyncLLM`'s thread, so everything that reads or changes engine state goes through
 `llm.call` / `llm.submit` (between steps, under the engine lock), and the async methods
 take that lock in a worker thread so the event loop never waits on a model forward.
+
+Limits hold before work is done: a prompt's UTF-8 size is checked before it is tokenized
+(`max_prompt_bytes`), tokenizing happens in a worker thread, never the engine's, and a
+request whose prompt plus `max_tokens` cannot fit the context is refused, as vLLM's
+OpenAI server does, rather than silently cut short.
 """
 
 from __future__ import annotations
@@ -24,29 +29,83 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from services.common.errors import InvalidRequestError, NotFoundError
+from services.common.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    PromptTooLongError,
+    TooLargeError,
+)
 from services.common.wire import pack_tensor
 from services.engine.async_llm import AsyncLLM
 from services.engine.config import EngineConfig
 from services.engine.interventions.sites import SITES
 from services.engine.interventions.spec import parse_steering
-from services.engine.llm_engine import LLMEngine
+from services.engine.llm_engine import LLMEngine, Prompt
+from services.engine.model.tokenizer import check_unicode
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.sweep import AsyncLLMDriver, Cell, Sweep, SweepResult, SweepSpec
 
 RATE_WINDOW_S = 10.0  # throughput in `stats()` is averaged over this many seconds
+# The default prompt size limit: generous bytes per token of context (English averages ~4;
+# long whitespace or repeated-character tokens run longer), between a floor that small
+# contexts never feel and a cap that bounds how long one tokenization can take.
+PROMPT_BYTES_PER_TOKEN = 16
+MIN_PROMPT_BYTES = 64 * 2**10
+MAX_PROMPT_BYTES = 8 * 2**20
+
+
+def default_max_prompt_bytes(max_model_len: int) -> int:
+    """The largest prompt (UTF-8 bytes) an engine of this context tokenizes by default."""
+    return min(MAX_PROMPT_BYTES, max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * max_model_len))
+
+
+def check_prompt_text(text: str, max_bytes: int, what: str = "the prompt") -> None:
+    """Refuse, before tokenizing, a text prompt no tokenizer should see: empty
+    (InvalidRequestError), over `max_bytes` UTF-8 bytes (TooLargeError, 413) or not valid
+    Unicode (a lone surrogate: InvalidRequestError)."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{what} must be a string or a list of token ids")
+    if not text:
+        raise InvalidRequestError(f"{what} is empty")
+    # Every character is at least one byte: a text this long is refused without encoding it.
+    if len(text) > max_bytes:
+        raise _too_large(f"{what} is at least {len(text)} bytes", max_bytes)
+    check_unicode(text, what)
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise _too_large(f"{what} is {size} bytes", max_bytes)
+
+
+def _too_large(what: str, max_bytes: int) -> TooLargeError:
+    return TooLargeError(
+        f"{what}, more than this engine's limit of {max_bytes} bytes (max_prompt_bytes)"
+    )
 
 
 class EngineService:
     """One engine replica behind an async API: generation, steering control, the vector
     registry, sweeps and observability. Errors are `CoxswainError`s with their status."""
 
-    def __init__(self, llm: AsyncLLM, *, model_id: str, patch_store: Any = None):
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        *,
+        model_id: str,
+        patch_store: Any = None,
+        max_prompt_bytes: int | None = None,
+    ):
         """Serve `llm` as `model_id`. `patch_store`, when given, is attached to the engine
-        (run patch sources, capture runs, sweeps over stored runs, `drop_patch_source`)."""
+        (run patch sources, capture runs, sweeps over stored runs, `drop_patch_source`).
+        `max_prompt_bytes`: the largest text prompt (UTF-8 bytes) tokenized; default
+        `default_max_prompt_bytes` of the engine's context."""
         self.llm = llm
         self.model_id = model_id
+        if max_prompt_bytes is not None and max_prompt_bytes < 1:
+            raise InvalidRequestError(f"max_prompt_bytes must be >= 1, got {max_prompt_bytes}")
+        self.max_prompt_bytes = max_prompt_bytes or default_max_prompt_bytes(
+            llm.engine.max_model_len
+        )
         if patch_store is not None:
             llm.call(lambda e: setattr(e.interventions, "patch_sources", patch_store))
         self._global_spec: dict | None = None
@@ -64,12 +123,17 @@ class EngineService:
         *,
         model_id: str | None = None,
         patch_store: Any = None,
+        max_prompt_bytes: int | None = None,
         **engine_config: Any,
     ) -> EngineService:
         """Build the engine for checkpoint directory `model` (`EngineConfig` fields as keyword
         arguments); `model_id` defaults to the directory's name."""
         engine = LLMEngine(model, EngineConfig(**engine_config), patch_store=patch_store)
-        return cls(AsyncLLM(engine=engine), model_id=model_id or Path(model).name)
+        return cls(
+            AsyncLLM(engine=engine),
+            model_id=model_id or Path(model).name,
+            max_prompt_bytes=max_prompt_bytes,
+        )
 
     @property
     def engine(self) -> LLMEngine:
@@ -91,17 +155,25 @@ class EngineService:
             "sites": list(SITES),
             "dtype": str(e.dtype).removeprefix("torch."),
             "device": str(e.device),
+            "max_prompt_bytes": self.max_prompt_bytes,
         }
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The prompt token ids of a conversation under the checkpoint's chat template."""
+        """The prompt token ids of a conversation under the checkpoint's chat template (its
+        texts are held to `max_prompt_bytes` together before the template renders)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of {role, content}")
+        size = 0
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise InvalidRequestError(f"messages[{i}] needs a string `role`")
             if not isinstance(m.get("content"), str):
                 raise InvalidRequestError(f"messages[{i}].content must be a string")
+            for key, value in m.items():
+                check_unicode(value, f"messages[{i}].{key}")
+                size += len(value.encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise _too_large(f"the messages' texts are {size} bytes", self.max_prompt_bytes)
         return self.engine.tokenizer.encode_chat(messages)
 
     # -- generation -----------------------------------------------------------------------
@@ -118,11 +190,40 @@ class EngineService:
         max_seqs = self.engine.config.max_num_seqs
         if params.n > max_seqs:  # its samples could never all run at once
             raise InvalidRequestError(f"n={params.n} exceeds this engine's max_num_seqs={max_seqs}")
+        text, ids = await self._prompt_ids(prompt)
+        self._check_fits(ids, params)
         rid = request_id or f"req-{uuid.uuid4().hex}"
-        outputs = self.llm.generate(prompt, params, rid)
+        outputs = self.llm.generate(ids, params, rid, prompt_text=text)
         async with aclosing(outputs):  # type: ignore[type-var]  # an async generator
             async for out in outputs:
                 yield out
+
+    async def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, Prompt]:
+        """(text, token ids) of a prompt: a text prompt is size-checked, then tokenized in a
+        worker thread (token ids and anything else pass through)."""
+        if isinstance(prompt, str):
+            check_prompt_text(prompt, self.max_prompt_bytes)
+            return prompt, await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+        return None, prompt
+
+    def _check_fits(self, ids: Prompt, params: SamplingParams) -> None:
+        """PromptTooLongError unless the prompt and its `max_tokens` fit the context (vLLM's
+        OpenAI server refuses what it would otherwise cut short). Checked before the request
+        reaches the engine thread; anything but a token list, the engine names the problem."""
+        if not isinstance(ids, list | tuple):
+            return
+        limit, n, max_tokens = self.engine.max_model_len, len(ids), params.max_tokens
+        if n >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but the model's context is {limit} (the prompt "
+                "plus at least one generated token must fit)"
+            )
+        if n and max_tokens is not None and n + max_tokens > limit:
+            raise PromptTooLongError(
+                f"max_tokens is too large: {max_tokens}. This model's maximum context length "
+                f"is {limit} tokens and your request has {n} input tokens "
+                f"({max_tokens} > {limit} - {n})"
+            )
 
     async def abort(self, request_id: str) -> None:
         """Stop a request now (a no-op if it already finished)."""
@@ -224,6 +325,10 @@ class EngineService:
         `{"event": "summary", ...}` with the `SweepResult` fields (NaN as None). A bad spec
         raises a CoxswainError before anything is yielded; closing early aborts the sweep.
         """
+        for what in ("corrupt_prompt", "clean_prompt"):
+            text = getattr(spec, what, None)
+            if isinstance(text, str):
+                check_prompt_text(text, self.max_prompt_bytes, what)
         driver = AsyncLLMDriver(self.llm)
         # Validation may read a remote patch store: keep it off the event loop.
         sweep = await asyncio.to_thread(Sweep, self.engine, spec, driver)

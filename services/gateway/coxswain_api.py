@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.engine.interventions.sites import tl_hook
 from services.engine.sweep import SweepSpec
-from services.gateway.openai_api import PackedTensor
+from services.gateway.openai_api import PackedTensor, check_texts
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Request bodies: unknown fields are an error, no NaN/Inf, strict types (no `"1"` for
+    1, no `"true"` for true)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class ErrorDetail(BaseModel):
@@ -71,6 +75,11 @@ class VectorList(BaseModel):
 class SweepRequest(_Body):
     """`POST /v1/patch_sweep`: a causal-tracing sweep (see `services/engine/sweep.py`)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return check_texts(data)
+
     corrupt_prompt: str | list[Annotated[int, Field(ge=0)]]
     answer_token: int | str = Field(description="A token id, or text that is exactly one token.")
     clean_prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(
@@ -81,10 +90,30 @@ class SweepRequest(_Body):
     positions: list[Annotated[int, Field(ge=0)] | str] | Literal["all_prompt"] = Field(
         "all_prompt", description="Corrupt-prompt positions, or text spans of it."
     )
-    sites: list[str] = ["post_block"]
+    sites: list[str] = Field(
+        ["post_block"],
+        description="Ours or TransformerLens names; `blocks.<L>.hook_resid_*` sweeps layer L.",
+    )
     alpha: float = 1.0
     foil_token: int | str | None = None
     metric: Literal["logprob", "logit_diff", "recovered"] = "logprob"
+
+    @model_validator(mode="after")
+    def _hook_names(self) -> SweepRequest:
+        """Full TransformerLens names (`blocks.3.hook_resid_post`) name their layer: the grid
+        is sites × layers, so they must all name one layer, which `layers` is (or becomes)."""
+        hooks = [h for h in map(tl_hook, self.sites) if h is not None]
+        if not hooks:
+            return self
+        named = sorted({layer for _, layer in hooks})
+        if len(named) > 1 or self.layers not in ("all", named):
+            raise ValueError(
+                f"sites {self.sites} name layers {named} but layers is {self.layers!r}: a sweep "
+                "is a grid of sites × layers, so name the sites and list the layers"
+            )
+        self.sites = [hook[0] if (hook := tl_hook(s)) else s for s in self.sites]
+        self.layers = named
+        return self
 
     def to_spec(self) -> SweepSpec:
         return SweepSpec(**self.model_dump())

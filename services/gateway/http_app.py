@@ -3,8 +3,11 @@
 
 `build_app(backend, keys)` takes everything it serves as arguments (no globals), so the
 same app runs under uvicorn in a test, or as a Ray Serve deployment's ingress. Every route
-but `/health` needs `Authorization: Bearer <key>`: read scope for generation and state,
-admin scope for global steering, registry writes and patch-source deletion.
+needs `Authorization: Bearer <key>`, checked before the body is read (`AuthBeforeBody`):
+read scope for generation and state, admin scope for global steering, registry writes and
+patch-source deletion. Public, because they hold no data: `/health`, the dashboard page
+and its assets (its data route needs a key), and the OpenAPI document with its viewers
+(`/openapi.json`, `/docs`, `/redoc`), which describe the API as vLLM's server leaves open.
 """
 
 from __future__ import annotations
@@ -34,8 +37,12 @@ from services.gateway.coxswain_api import (
     VectorPut,
     VectorRemoved,
 )
-from services.gateway.dashboard import dashboard_router
-from services.gateway.http_auth import require
+from services.gateway.dashboard import ASSETS, dashboard_router
+from services.gateway.http_auth import (
+    DEFAULT_MAX_BODY_BYTES,
+    AuthBeforeBody,
+    require,
+)
 from services.gateway.http_errors import install_error_handlers
 from services.gateway.metrics import EngineCollector, RequestMetrics
 from services.gateway.openai_api import (
@@ -47,6 +54,7 @@ from services.gateway.openai_api import (
     ModelList,
     Renderer,
     chat_messages,
+    check_texts,
     prompts_of,
     sampling_params,
 )
@@ -66,7 +74,9 @@ Serve a language model under activation-level control.
 
 Authenticate with `Authorization: Bearer <key>`. Read keys may generate and read state;
 admin keys may also change global steering, the vector registry and the patch store.
-Errors are `{"error": {"message", "type", "code"}}` with a 4xx status for bad input.
+`/health`, the dashboard page and this document need no key.
+Errors are `{"error": {"message", "type", "code"}}` with a 4xx status for bad input; a
+body over the server's size limit is a 413.
 """
 
 TAGS = [
@@ -84,8 +94,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "Missing or unknown API key"),
         (403, "API key lacks the admin scope"),
         (404, "Not found"),
+        (413, "Request body or prompt over the configured limit"),
     )
 }
+# Routes that need no key: liveness, and the dashboard page with its assets (the page asks
+# for a key and sends it with every poll of its data route).
+PUBLIC_ROUTES = ("/health", "/dashboard", *(f"/dashboard/{name}" for name in ASSETS))
+
 SSE: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "JSON, or with `stream: true` server-sent events (`data: [DONE]` last).",
@@ -95,11 +110,16 @@ SSE: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(
-    backend: EngineService, keys: ApiKeys, *, patch_store: Any = None, title: str = "Coxswain"
+    backend: EngineService,
+    keys: ApiKeys,
+    *,
+    patch_store: Any = None,
+    title: str = "Coxswain",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The HTTP app serving `backend`, authenticating with `keys`. `patch_store`, when given,
     is the store patch-source deletion acts on (default: the backend's) and is reported in
-    `/metrics`."""
+    `/metrics`. `max_body_bytes`: the largest request body accepted (413 beyond)."""
     app = FastAPI(
         title=title,
         version="0.1.0",
@@ -108,8 +128,11 @@ def build_app(
         responses=ERRORS,
     )
     install_error_handlers(app)
+    app.add_middleware(
+        AuthBeforeBody, keys=keys, public=public_paths(app), max_body_bytes=max_body_bytes
+    )
     registry = CollectorRegistry()
-    app.add_middleware(RequestMetrics, registry=registry)
+    app.add_middleware(RequestMetrics, registry=registry)  # outermost: counts 401s and 413s
     registry.register(EngineCollector(backend, patch_store))
     app.state.backend = backend
     app.state.registry = registry
@@ -206,6 +229,7 @@ def build_app(
         "returns the steering state, whose `global_spec` is this spec.",
     )
     async def set_steering(body: SteeringSpec) -> dict:
+        check_texts(body.model_dump())  # as every other body is: no lone surrogates
         return await backend.set_global_steering(body)
 
     @steering.post(
@@ -350,3 +374,11 @@ def build_app(
         app.include_router(router)
     app.include_router(dashboard_router(backend, keys, patch_store=patch_store))
     return app
+
+
+def public_paths(app: FastAPI) -> frozenset[str]:
+    """The paths `app` serves without a key: `PUBLIC_ROUTES` and the OpenAPI document with
+    its viewers. The document describes the API and holds no data (vLLM's server leaves it
+    open too), and clients and tools read it to build requests."""
+    docs = (app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url)
+    return frozenset([*PUBLIC_ROUTES, *(path for path in docs if path)])

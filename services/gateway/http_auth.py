@@ -1,14 +1,34 @@
-"""The bearer-key dependency every authenticated HTTP route uses (the API routes and the
-dashboard's data route), declared once so the OpenAPI document names one security scheme."""
+"""Authentication and the request-body limit, enforced before a body is read.
+
+`AuthBeforeBody` is a pure ASGI middleware: a request to anything but a public route
+needs a known bearer key before a byte of its body is read (FastAPI parses a body before
+it resolves a route's dependencies, so a dependency alone would let an anonymous client
+make the gateway buffer and parse whatever it sends), and a body may not exceed
+`max_body_bytes` (a declared `Content-Length` is refused up front, a streamed body as soon
+as it passes the limit). The `require` dependency then checks each route's scope (read or
+admin) and is what the OpenAPI document shows as the one security scheme.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common.auth import ApiKey, ApiKeys, Scope
+from services.common.auth import ApiKey, ApiKeys
+from services.common.auth import Scope as KeyScope
+from services.common.errors import CoxswainError, InvalidRequestError, TooLargeError
+from services.gateway.http_errors import error_body, error_response
+
+# Bodies are JSON: prompts, vectors (a packed [num_layers, H] float32 vector of a large
+# model is a few MB), patch entries. Larger is configurable (`max_body_bytes`).
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -17,7 +37,7 @@ _bearer = HTTPBearer(
 )
 
 
-def require(keys: ApiKeys, scope: Scope) -> Any:
+def require(keys: ApiKeys, scope: KeyScope) -> Any:
     """A FastAPI dependency: the request's `Authorization: Bearer` key must have `scope`
     (401/403 via `ApiKeys.check`, which the error handlers map)."""
 
@@ -28,3 +48,86 @@ def require(keys: ApiKeys, scope: Scope) -> Any:
         return keys.check(request.headers.get("authorization"), scope)
 
     return Depends(check)
+
+
+class AuthBeforeBody:
+    """ASGI middleware: 401 for a path not in `public` (exact paths) without a known key,
+    413 for a body over `max_body_bytes`, both before the app reads the body. A route is
+    authenticated unless listed, so one added later is never public by accident."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: ApiKeys,
+        public: Collection[str],
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        if max_body_bytes < 0:
+            raise InvalidRequestError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
+        self.app, self.keys, self.public, self.max_body_bytes = app, keys, public, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        try:
+            if _route_path(scope) not in self.public:
+                self.keys.check(headers.get("authorization"), "read")  # scope: the route's
+            declared = _content_length(headers)
+            if declared is not None and declared > self.max_body_bytes:
+                raise self._too_large(f"the request body is {declared} bytes, more than")
+        except CoxswainError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:  # a streamed body: stop reading it here
+                    raise HTTPException(413, str(self._too_large("the request body is over")))
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except HTTPException as exc:  # raised past the app's handlers (a route not FastAPI's)
+            if started or exc.status_code != 413:
+                raise
+            body = error_body(413, str(exc.detail), TooLargeError.__name__)
+            await JSONResponse(body, 413)(scope, receive, send)
+
+    def _too_large(self, what: str) -> TooLargeError:
+        return TooLargeError(
+            f"{what} this server's limit of {self.max_body_bytes} bytes (max_body_bytes)"
+        )
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the app routes on: without the prefix it is mounted under (Serve's
+    `route_prefix` arrives as `root_path`, which `path` includes)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :] or "/"
+    return path
+
+
+def _content_length(headers: Headers) -> int | None:
+    value = headers.get("content-length")
+    if value is None:
+        return None
+    try:
+        length = int(value)
+    except ValueError:
+        length = -1
+    if length < 0:
+        raise InvalidRequestError(f"invalid Content-Length header: {value[:40]!r}")
+    return length

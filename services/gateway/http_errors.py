@@ -30,8 +30,10 @@ ERROR_TYPES = {
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
-    """The error body every route answers with."""
+    """The error body every route answers with. A message quoting a client's lone surrogate
+    shows it escaped (`\\ud800`): the response must still encode as UTF-8."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "code": code}}
 
 

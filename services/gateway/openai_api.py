@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.errors import InvalidRequestError
 from services.common.wire import pack_tensor
 from services.engine.interventions.spec import CaptureSpec, PatchEntry, Readout, SteeringSpec
-from services.engine.model.tokenizer import Tokenizer
+from services.engine.model.tokenizer import Tokenizer, check_unicode
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -36,9 +36,29 @@ Api = Literal["completions", "chat"]
 
 
 class _Body(BaseModel):
-    """Request bodies: unknown fields are an error (never silently ignored), no NaN/Inf."""
+    """Request bodies: unknown fields are an error (never silently ignored), no NaN/Inf, and
+    types are strict (`"max_tokens": "8"` or `"stream": "true"` is a 400 naming the field,
+    never coerced; an integer is still a valid float)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+def check_texts(value: Any, where: str = "") -> Any:
+    """`value` (a decoded JSON body), if every string in it, keys included, is valid
+    Unicode; else InvalidRequestError naming the first that is not. JSON can carry a lone
+    surrogate (`"\\ud800"`), which no UTF-8 response, tokenizer or protobuf can hold, so a
+    body is refused whole rather than failing wherever the string lands."""
+    if isinstance(value, str):
+        check_unicode(value, where or "the body")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, f"a key of {where or 'the body'}")
+            check_texts(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, str | dict | list):  # numbers (vectors) need no look
+                check_texts(item, f"{where}[{i}]")
+    return value
 
 
 class StreamOptions(_Body):
@@ -49,6 +69,11 @@ class StreamOptions(_Body):
 
 class _GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return check_texts(data)
 
     model: str | None = Field(None, description="The served model's id (default: that model).")
     temperature: float = Field(1.0, ge=0.0, description="0 is greedy.")
@@ -87,6 +112,16 @@ class _GenerationRequest(_Body):
     )
     conversation_id: str | None = Field(
         None, max_length=256, description="Ties the requests of one conversation together."
+    )
+    adapter: str | None = Field(
+        None, max_length=256, description="A loaded adapter to run under (null: the base model)."
+    )
+    adapter_variant: Literal["trained", "deploy"] = Field(
+        "trained", description="The adapter as trained, or as deployed (quarantine ablated)."
+    )
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the stop string that ended a sample in its text."
     )
 
 
@@ -158,13 +193,17 @@ def sampling_params(body: GenerationRequest) -> SamplingParams:
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
         logprob_token_ids=list(body.logprob_token_ids or []),
+        skip_special_tokens=body.skip_special_tokens,
         steering=body.steering,
         capture=body.capture,
         readouts=body.readouts,
         patch=body.patch,
         conversation_id=body.conversation_id,
+        adapter=body.adapter,
+        adapter_variant=body.adapter_variant,
     )
 
 

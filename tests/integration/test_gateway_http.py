@@ -7,6 +7,7 @@ must be a 4xx that leaves the server serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -16,6 +17,8 @@ import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from services.common.auth import ApiKey, ApiKeys
 from services.common.wire import unpack_tensor
@@ -25,7 +28,8 @@ from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
 from services.engine.service import EngineService
 from services.engine.sweep import Sweep, SweepSpec
-from services.gateway.http_app import build_app
+from services.gateway.http_app import build_app, public_paths
+from services.gateway.http_auth import DEFAULT_MAX_BODY_BYTES
 from services.patch_store.store import PatchStore
 from tests.serving import serve_asgi
 
@@ -135,7 +139,7 @@ def test_steered_completion_differs_from_plain_and_matches_offline(client, offli
     choice = steered["choices"][0]
     assert choice["coxswain"]["token_ids"] == want.token_ids
     assert _token_logprobs(steered) == pytest.approx(
-        [want.logprobs[i][t] for i, t in enumerate(want.token_ids)], abs=1e-5
+        [want.logprobs[i][t] for i, t in enumerate(want.token_ids)], abs=1e-4
     )
     got_reads = [r["p"] for r in choice["coxswain"]["readouts"]]
     assert got_reads == pytest.approx([r["p"] for r in want.readouts], abs=1e-4)
@@ -161,7 +165,8 @@ def test_requested_token_logprobs_and_top_logprobs_match_offline(client, offline
     )[0].outputs[0]
     choice = resp["choices"][0]
     for i, step in enumerate(choice["coxswain"]["requested_logprobs"]):
-        assert step == pytest.approx({"5": want.logprobs[i][5], "300": want.logprobs[i][300]})
+        want_step = {"5": want.logprobs[i][5], "300": want.logprobs[i][300]}
+        assert step == pytest.approx(want_step, abs=1e-4)
     top = choice["logprobs"]["top_logprobs"]
     assert [len(t) for t in top] == [3, 3, 3]
     # the sampled (greedy) token is the most likely one
@@ -187,7 +192,7 @@ def test_captures_decode_to_the_offline_tensors(client, offline):
     for key, packed in prompt_extras["captures"].items():
         got = unpack_tensor(packed)
         assert got.shape == (len(PROMPT), H)
-        torch.testing.assert_close(got, want[0].captures[key], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, want[0].captures[key], atol=1e-4, rtol=0)
 
 
 def test_a_patched_request_matches_offline_and_differs_from_plain(client, offline):
@@ -200,7 +205,7 @@ def test_a_patched_request_matches_offline_and_differs_from_plain(client, offlin
     )[0].outputs[0]
     assert patched["choices"][0]["coxswain"]["token_ids"] == want.token_ids
     assert _token_logprobs(patched) == pytest.approx(
-        [want.logprobs[i][t] for i, t in enumerate(want.token_ids)], abs=1e-5
+        [want.logprobs[i][t] for i, t in enumerate(want.token_ids)], abs=1e-4
     )
     assert abs(_token_logprobs(patched)[0] - _token_logprobs(plain)[0]) > 1e-4
 
@@ -341,6 +346,14 @@ BAD_BODIES = {
         "patch": [{"layer": 0, "position": 99, "source": {"zeros": True}}],
     },
     "second prompt bad": {"prompt": [[1, 2, 3], [1, 100000]]},
+    "empty prompt": {"prompt": ""},
+    "empty second prompt": {"prompt": ["ok", ""]},
+    "string max_tokens": {"prompt": "x", "max_tokens": "8"},
+    "string stream": {"prompt": "x", "stream": "true"},
+    "string temperature": {"prompt": "x", "temperature": "0.5"},
+    "float n": {"prompt": "x", "n": 2.0},
+    "max_tokens past the context": {"prompt": PROMPT, "max_tokens": 1000},
+    "token prompt past the context": {"prompt": [5] * 600, "max_tokens": None},
 }
 
 
@@ -422,14 +435,14 @@ def test_global_steering_set_shows_in_state_changes_logprobs_and_clears(client, 
             [PROMPT], SamplingParams(max_tokens=4, temperature=0, logprobs=1, steering=spec)
         )[0].outputs[0]
         assert steered == pytest.approx(
-            [want.logprobs[i][t] for i, t in enumerate(want.token_ids)], abs=1e-5
+            [want.logprobs[i][t] for i, t in enumerate(want.token_ids)], abs=1e-4
         )
         assert max(abs(a - b) for a, b in zip(base, steered, strict=True)) > 1e-3
     finally:
         cleared = client.post("/v1/steering/clear")
     assert cleared.status_code == 200 and cleared.json()["global_spec"] is None
     assert _token_logprobs(_complete(client, max_tokens=4, logprobs=1)) == pytest.approx(
-        base, abs=1e-6
+        base, abs=1e-4
     )
     assert client.get("/v1/steering").json()["global"]["decode"] == []
     bad = client.post("/v1/steering/set", json={"vectors": [{"layers": [0], "vector": [1.0]}]})
@@ -584,7 +597,7 @@ def test_metrics_parse_and_count_requests(client, url):
     before = _metrics(client)
     for _ in range(3):
         client.get("/health")
-    httpx.get(url + "/v1/stats")  # no key: 401
+    httpx.get(url + "/v1/stats")  # no key: 401, before routing (so under "unmatched")
     after = _metrics(client)
     reqs_before, reqs = before["coxswain_http_requests"], after["coxswain_http_requests"]
     assert (
@@ -593,8 +606,8 @@ def test_metrics_parse_and_count_requests(client, url):
         == 3
     )
     assert (
-        _count(reqs, route="/v1/stats", status="401")
-        - _count(reqs_before, route="/v1/stats", status="401")
+        _count(reqs, route="unmatched", status="401")
+        - _count(reqs_before, route="unmatched", status="401")
         == 1
     )
     assert _count(reqs, route="/v1/completions", method="POST", status="200") >= 1
@@ -643,3 +656,272 @@ def test_openapi_document_describes_the_api(client):
     assert {"steering", "capture", "patch", "readouts", "logprob_token_ids"} <= set(body)
     assert "SteeringSpec" in doc["components"]["schemas"]
     assert "ApiKey" in doc["components"]["securitySchemes"]
+
+
+# -- strict types, the context, Unicode, sizes -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream": "true"}, "stream"),
+        ("/v1/completions", {"prompt": "x", "seed": "1"}, "seed"),
+        ("/v1/completions", {"prompt": "x", "echo": 1}, "echo"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": "2"}, "n"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"},
+            "logprobs",
+        ),
+        ("/v1/vectors/strict", {"value": _vec(1), "overwrite": "true"}, "overwrite"),
+        ("/v1/patch_sweep", {"corrupt_prompt": PROMPT, "answer_token": 5, "alpha": "1"}, "alpha"),
+    ],
+)
+def test_string_typed_numbers_and_booleans_are_a_400_naming_the_field(client, route, body, field):
+    method = "PUT" if route.startswith("/v1/vectors") else "POST"
+    r = client.request(method, route, json=body)
+    assert r.status_code == 400, r.text
+    assert f"body.{field}:" in r.json()["error"]["message"]
+
+
+def test_max_tokens_past_the_context_is_a_400_naming_the_lengths(client):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 600})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "max_tokens is too large: 600" in msg and "context length is 512 tokens" in msg
+    assert f"{len(PROMPT)} input tokens" in msg
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "max_tokens is too large: 600" in r.text
+    fits = _complete(client, max_tokens=512 - len(PROMPT), ignore_eos=True)
+    assert len(fits["choices"][0]["coxswain"]["token_ids"]) == 512 - len(PROMPT)
+
+
+@pytest.mark.parametrize(
+    ("route", "raw", "where"),
+    [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt is"),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt[1]"),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "stop[0]"),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "readouts": [{"name": "\\ud800", "probe": "v", "layer": 0}]}',
+            "readouts[0].name",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/patch_sweep",
+            b'{"corrupt_prompt": "a\\ud800b c", "clean_prompt": "a b c", "answer_token": 5}',
+            "corrupt_prompt",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_not_a_server_error(client, route, raw, where):
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert where in msg and "not valid Unicode: a lone surrogate" in msg
+    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_a_prompt_over_the_size_limit_is_a_413_naming_the_limit(client, backend):
+    limit = backend.max_prompt_bytes
+    r = client.post("/v1/completions", json={"prompt": "w" * (limit + 1), "max_tokens": 1})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert f"limit of {limit} bytes" in err["message"] and err["code"] == "TooLargeError"
+    body = {"messages": [{"role": "user", "content": "w" * (limit + 1)}]}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 413 and f"limit of {limit} bytes" in r.text
+
+
+# -- auth before the body, and the body limit ---------------------------------------------------
+
+
+class _Body:
+    """A request body streamed in 1 MiB chunks, counting how many the server pulled."""
+
+    def __init__(self, total: int):
+        self.total, self.pulled = total, 0
+
+    async def __aiter__(self):
+        chunk = b" " * 2**20
+        for _ in range(self.total // len(chunk)):
+            self.pulled += 1
+            yield chunk
+
+
+def _post_streamed(app, body: _Body, headers: dict) -> httpx.Response:
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            return await c.post("/v1/completions", content=body, headers=headers)
+
+    return asyncio.run(post())
+
+
+def test_auth_comes_before_the_body_and_the_body_is_capped(backend, store):
+    app = build_app(backend, KEYS, patch_store=store, max_body_bytes=4 * 2**20)
+    declared = {"content-type": "application/json", "content-length": str(300 * 2**20)}
+    for headers in (declared, {**declared, **_auth("not-a-key-at-all-0000")}):
+        body = _Body(300 * 2**20)
+        r = _post_streamed(app, body, headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert body.pulled == 0  # refused before a byte of the body was read
+    body = _Body(300 * 2**20)
+    r = _post_streamed(app, body, {**declared, **_auth(READER)})
+    assert r.status_code == 413 and body.pulled == 0
+    err = r.json()["error"]
+    assert f"is {300 * 2**20} bytes" in err["message"]
+    assert f"limit of {4 * 2**20} bytes" in err["message"] and err["code"] == "TooLargeError"
+    # a streamed body (no Content-Length) is cut off as soon as it passes the limit
+    body = _Body(300 * 2**20)
+    r = _post_streamed(app, body, {"content-type": "application/json", **_auth(READER)})
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+    assert body.pulled <= 5
+
+
+def test_the_body_limit_is_configurable_and_holds_over_a_real_connection(backend, store, url):
+    small = build_app(backend, KEYS, patch_store=store, max_body_bytes=1024)
+    with serve_asgi(small) as small_url, httpx.Client(base_url=small_url, timeout=60) as c:
+        body = {"prompt": "x" * 2000, "max_tokens": 1}
+        r = c.post("/v1/completions", json=body, headers=_auth(READER))
+        assert r.status_code == 413 and "limit of 1024 bytes" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=_auth(READER))
+        assert r.status_code == 200
+    big = b"{" + b" " * (40 * 2**20) + b"}"  # past the default 16 MiB
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 401
+        r = c.post("/v1/completions", content=big, headers=_auth(READER))
+        assert r.status_code == 413 and str(DEFAULT_MAX_BODY_BYTES) in r.text
+
+
+def test_exactly_these_routes_are_public(backend, store, url):
+    """`/health`, the dashboard page and its assets, and the OpenAPI document with its
+    viewers need no key (they describe the API, hold no data); every other route does."""
+    app = build_app(backend, KEYS, patch_store=store)
+    public = {
+        "/health",
+        "/openapi.json",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+        "/dashboard",
+        "/dashboard/dashboard.js",
+        "/dashboard/dashboard.css",
+    }
+    assert public_paths(app) == public
+    doc = httpx.get(f"{url}/openapi.json", timeout=60).json()
+    with httpx.Client(base_url=url, timeout=60) as anon:
+        for path in public:
+            assert anon.get(path).status_code == 200, path
+        for path, ops in doc["paths"].items():
+            concrete = path.replace("{name}", "v").replace("{run}", "r")
+            for method in ops:
+                r = anon.request(method.upper(), concrete, content=b"{}")
+                expected = 200 if path in public else 401
+                assert r.status_code == expected, (method, path, r.text)
+        assert anon.get("/no/such/route").status_code == 401  # nothing about routes leaks
+
+    async def under_a_prefix() -> tuple[int, int]:  # as Serve mounts an app's route_prefix
+        mounted = Starlette(routes=[Mount("/tp2", app=app)])
+        transport = httpx.ASGITransport(app=mounted)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            health, stats = await c.get("/tp2/health"), await c.get("/tp2/v1/stats")
+            return health.status_code, stats.status_code
+
+    assert asyncio.run(under_a_prefix()) == (200, 401)
+
+
+# -- TransformerLens site names ------------------------------------------------------------------
+
+
+def _sweep_summary(client, body: dict) -> dict:
+    with client.stream("POST", "/v1/patch_sweep", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = _sse(r)
+    return json.loads(events[-1][1])
+
+
+def test_transformerlens_hook_names_work_wherever_a_site_is_named(client):
+    """`blocks.L.hook_resid_*` names a site and its layer: over HTTP it gives exactly what
+    the site name with that layer gives, in steering, read-outs, captures, patches, sweeps."""
+    probe, vec = _vec(7), _vec(8, 6.0)
+    ours = {
+        "steering": {"vectors": [{"site": "post_attn", "layers": [1], "vector": vec}]},
+        "readouts": [{"name": "p", "site": "pre_attn", "layer": 1, "probe": probe}],
+        "capture": {"sites": {"post_block": [0, 1], "pre_attn": [1]}},
+        "patch": [{"layer": 0, "site": "post_block", "position": 4, "source": {"zeros": True}}],
+    }
+    theirs = {
+        "steering": {"vectors": [{"site": "blocks.1.hook_resid_mid", "vector": vec}]},
+        "readouts": [{"name": "p", "site": "blocks.1.hook_resid_pre", "probe": probe}],
+        "capture": {
+            "sites": {
+                "blocks.0.hook_resid_post": "all",
+                "blocks.1.hook_resid_post": [1],
+                "blocks.1.hook_resid_pre": "all",
+            }
+        },
+        "patch": [{"site": "blocks.0.hook_resid_post", "position": 4, "source": {"zeros": True}}],
+    }
+    a = _complete(client, max_tokens=3, logprobs=1, **ours)
+    b = _complete(client, max_tokens=3, logprobs=1, **theirs)
+    assert b["choices"][0]["coxswain"]["token_ids"] == a["choices"][0]["coxswain"]["token_ids"]
+    assert _token_logprobs(b) == pytest.approx(_token_logprobs(a), abs=1e-4)
+    ra, rb = (r["choices"][0]["coxswain"]["readouts"] for r in (a, b))
+    assert [x["p"] for x in rb] == pytest.approx([x["p"] for x in ra], abs=1e-4)
+    ca, cb = (r["coxswain"]["prompts"][0]["captures"] for r in (a, b))
+    assert set(cb) == set(ca) == {"0.post_block", "1.post_block", "1.pre_attn"}
+    for key in ca:
+        torch.testing.assert_close(
+            unpack_tensor(cb[key]), unpack_tensor(ca[key]), atol=1e-4, rtol=0
+        )
+    sweep = {"clean_prompt": PROMPT, "corrupt_prompt": [*PROMPT[:3], 9, *PROMPT[4:]]}
+    sweep |= {"answer_token": 17, "positions": [2, 3]}
+    sa = _sweep_summary(client, {**sweep, "sites": ["post_block", "pre_attn"], "layers": [1]})
+    sb = _sweep_summary(client, {**sweep, "sites": ["blocks.1.hook_resid_post", "hook_resid_pre"]})
+    assert sb["sites"] == sa["sites"] and sb["layers"] == sa["layers"] == [1]
+    torch.testing.assert_close(
+        torch.tensor(sb["grid"]), torch.tensor(sa["grid"]), atol=1e-4, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "message"),
+    [
+        (
+            "/v1/completions",
+            {
+                "prompt": "x",
+                "steering": {
+                    "vectors": [{"site": "blocks.1.hook_resid_mid", "layers": [0], "vector": "v"}]
+                },
+            },
+            "names layer 1, but layers is [0]",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "capture": {"sites": {"blocks.0.hook_resid_post": [1]}}},
+            "names layer 0, but its layers are [1]",
+        ),
+        (
+            "/v1/patch_sweep",
+            {
+                "corrupt_prompt": PROMPT,
+                "answer_token": 5,
+                "sites": ["blocks.0.hook_resid_post", "blocks.1.hook_resid_pre"],
+            },
+            "a sweep is a grid of sites",
+        ),
+    ],
+)
+def test_a_hook_name_whose_layer_disagrees_is_a_400(client, route, body, message):
+    r = client.post(route, json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text

@@ -12,13 +12,14 @@ the engine's registry.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.errors import InvalidRequestError
-from services.engine.interventions.sites import parse_site
+from services.engine.interventions.sites import parse_site, tl_hook
 
 
 def _site(value: Any) -> str:
@@ -26,6 +27,21 @@ def _site(value: Any) -> str:
         return parse_site(value)
     except InvalidRequestError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _hook_layer(data: Any, field: str, many: bool) -> Any:
+    """A full TransformerLens hook name as `site` (`blocks.3.hook_resid_post`) names the
+    layer too: it fills `field` (one layer, or with `many` a list of them) when that is
+    absent, and must agree with it when given (never a silently different layer)."""
+    hook = tl_hook(data.get("site")) if isinstance(data, dict) else None
+    if hook is None:
+        return data
+    site, layer = hook
+    want = [layer] if many else layer
+    given = data.get(field)
+    if given is not None and given != want:
+        raise ValueError(f"site {data['site']!r} names layer {layer}, but {field} is {given!r}")
+    return {**data, "site": site, field: want}
 
 
 Site = Annotated[str, BeforeValidator(_site)]
@@ -43,6 +59,11 @@ class _Strict(BaseModel):
 class SteerVector(_Strict):
     """Add `scale · vector` to the residual at `site` of each of `layers`, in `phase`."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hook_name(cls, data: Any) -> Any:
+        return _hook_layer(data, "layers", many=True)
+
     site: Site = "post_block"
     layers: list[Annotated[int, Field(ge=0)]] | None = None  # None: every layer a named vector has
     vector: VectorValue
@@ -52,6 +73,11 @@ class SteerVector(_Strict):
 
 class ProbeCondition(_Strict):
     """`sigmoid(sharpness · (h·probe − threshold)) > 0.5` at one (layer, site)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hook_name(cls, data: Any) -> Any:
+        return _hook_layer(data, "layer", many=False)
 
     probe: VectorValue
     site: Site = "post_block"
@@ -119,6 +145,11 @@ class SteeringSpec(_Strict):
 class Readout(_Strict):
     """Report `h·probe` at (layer, site) for every generated token, under `name`."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hook_name(cls, data: Any) -> Any:
+        return _hook_layer(data, "layer", many=False)
+
     probe: VectorValue
     site: Site = "post_block"
     layer: Annotated[int, Field(ge=0)]
@@ -137,6 +168,36 @@ class CaptureSpec(_Strict):
     # patch-source store as run `run` when the request finishes (a patch source for later).
     sink: Literal["inline", "patch_store"] = "inline"
     run: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hook_names(cls, data: Any) -> Any:
+        """`{"blocks.3.hook_resid_post": "all"}` (or `[3]`) captures layer 3 of post_block;
+        several names of one site merge into one list of layers."""
+        sites = data.get("sites") if isinstance(data, dict) else None
+        if not isinstance(sites, dict) or not any(tl_hook(k) for k in sites):
+            return data
+        merged: dict[Any, Any] = {}
+        for name, layers in sites.items():
+            hook = tl_hook(name)
+            if hook is not None:
+                site, layer = hook
+                if layers not in ("all", [layer]):
+                    raise ValueError(
+                        f"site {name!r} names layer {layer}, but its layers are {layers!r}"
+                    )
+                name, layers = site, [layer]
+            else:
+                with contextlib.suppress(InvalidRequestError):  # the Site validator says why
+                    name = parse_site(name)
+            before = merged.get(name)
+            if "all" in (before, layers):
+                merged[name] = "all"
+            elif isinstance(before, list) and isinstance(layers, list):
+                merged[name] = sorted({*before, *layers})
+            else:
+                merged[name] = layers
+        return {**data, "sites": merged}
 
     @model_validator(mode="after")
     def _not_empty(self) -> CaptureSpec:
@@ -171,6 +232,11 @@ class PatchSource(_Strict):
 
 class PatchEntry(_Strict):
     """Set the residual at (layer, site, position) to `(1 − α)·h + α·source` (α = 1: replace)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hook_name(cls, data: Any) -> Any:
+        return _hook_layer(data, "layer", many=False)
 
     layer: Annotated[int, Field(ge=0)]
     site: Site = "post_block"

@@ -1,4 +1,9 @@
-"""Tokenizer from `tokenizer.json`; special tokens and chat template from its config file."""
+"""Tokenizer from `tokenizer.json`; special tokens and chat template from its config file.
+
+Encoding goes through the Rust tokenizer's batch call, which releases the GIL: a server
+tokenizes a long prompt in a worker thread while the engine thread keeps stepping (the
+single-text call holds the GIL for the whole encode, stalling every other thread).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,20 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from services.common.errors import CheckpointError, InvalidRequestError
+
+
+def check_unicode(text: Any, what: str = "the prompt") -> None:
+    """InvalidRequestError unless `text` is a string of Unicode scalar values. JSON lets a
+    client send a lone surrogate (`"\\ud800"`), which no UTF-8 text or tokenizer can hold."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{what} must be a string, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{what} is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) "
+            f"at character {e.start}"
+        ) from None
 
 
 def _token_text(value: Any) -> str | None:
@@ -46,14 +65,22 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; InvalidRequestError if it is not valid Unicode text."""
+        return self._encode(text, add_special_tokens).ids
 
     def encode_with_offsets(
         self, text: str, add_special_tokens: bool = True
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each token's (start, end) character span in `text` ((0, 0): special)."""
-        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        enc = self._encode(text, add_special_tokens)
         return enc.ids, [tuple(o) for o in enc.offsets]
+
+    def _encode(self, text: str, add_special_tokens: bool) -> Any:
+        try:  # a batch of one: the batch call releases the GIL while it works
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        except TypeError:  # the binding refuses what is not a str it can pass to Rust
+            check_unicode(text)
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -33,3 +33,19 @@ def test_defaults_and_normalisation():
     p = SamplingParams(stop="###", top_k=-1, temperature=0)
     assert p.stop == ["###"] and p.top_k == 0 and p.greedy
     assert isinstance(InvalidRequestError("x"), ValueError)
+
+
+def test_transformerlens_hook_names_carry_their_layer():
+    params = SamplingParams(
+        steering={"vectors": [{"site": "blocks.1.hook_resid_mid", "vector": "v"}]},
+        capture={"sites": {"blocks.0.hook_resid_post": "all", "resid_post": [1]}},
+        readouts=[{"site": "blocks.1.hook_resid_pre", "probe": "v"}],
+        patch=[{"site": "blocks.0.hook_resid_post", "position": 2, "source": {"zeros": True}}],
+    )
+    vec = params.steering.vectors[0]
+    assert (vec.site, vec.layers) == ("post_attn", [1])
+    assert params.capture.sites == {"post_block": [0, 1]}
+    assert (params.readouts[0].site, params.readouts[0].layer) == ("pre_attn", 1)
+    assert (params.patch[0].site, params.patch[0].layer) == ("post_block", 0)
+    with pytest.raises(InvalidRequestError, match="names layer 1, but layer is 0"):
+        SamplingParams(readouts=[{"site": "blocks.1.hook_resid_pre", "layer": 0, "probe": "v"}])

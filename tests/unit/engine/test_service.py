@@ -9,13 +9,26 @@ import time
 import pytest
 import torch
 
-from services.common.errors import InvalidRequestError, NotFoundError, RunNotFoundError
+from services.common.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    PromptTooLongError,
+    RunNotFoundError,
+    TooLargeError,
+)
 from services.common.wire import unpack_tensor
 from services.engine import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
-from services.engine.service import EngineService, _Throughput
+from services.engine.service import (
+    MAX_PROMPT_BYTES,
+    MIN_PROMPT_BYTES,
+    PROMPT_BYTES_PER_TOKEN,
+    EngineService,
+    _Throughput,
+    default_max_prompt_bytes,
+)
 from services.engine.sweep import Sweep, SweepSpec
 from services.patch_store.store import PatchStore
 
@@ -222,3 +235,100 @@ def test_throughput_is_averaged_over_the_window(path):
     now[0] += 30.0  # nothing happened for longer than the window
     assert rates.rates()["generation_tokens_per_s"] == 0.0
     assert not math.isnan(rates.rates()["prompt_tokens_per_s"])
+
+
+# -- limits before work: prompt size, context, Unicode ---------------------------------------
+
+
+def test_the_prompt_size_limit_defaults_from_the_context_and_is_configurable(service, path):
+    assert service.max_prompt_bytes == default_max_prompt_bytes(256) == MIN_PROMPT_BYTES
+    assert service.model_card()["max_prompt_bytes"] == service.max_prompt_bytes
+    assert default_max_prompt_bytes(131072) == PROMPT_BYTES_PER_TOKEN * 131072
+    assert default_max_prompt_bytes(10**7) == MAX_PROMPT_BYTES  # the hard cap
+    svc = EngineService.from_model(path, model_id="tiny", max_prompt_bytes=1000, **ENGINE)
+    try:
+        with pytest.raises(TooLargeError, match="limit of 1000 bytes") as exc:
+            _run(_collect(svc.generate("é" * 501, SamplingParams(max_tokens=1))))  # 1002 bytes
+        assert exc.value.http_status == 413 and "1002 bytes" in str(exc.value)
+        out = _run(_collect(svc.generate("é" * 100, SamplingParams(max_tokens=1))))
+        assert out[-1].finished
+    finally:
+        svc.llm.shutdown()
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(service):
+    # 32 MB: tokenizing it would take minutes and then fail on the context; refused unread.
+    huge = "word " * (32 * 2**20 // 5)
+    with pytest.raises(TooLargeError, match=f"limit of {service.max_prompt_bytes} bytes"):
+        _run(_collect(service.generate(huge, SamplingParams(max_tokens=1))))
+    with pytest.raises(TooLargeError, match="max_prompt_bytes"):
+        service.encode_chat([{"role": "user", "content": huge}])
+    assert _idle(service)
+
+
+def test_a_long_prompt_is_tokenized_while_other_requests_step(path):
+    """Tokenizing runs in a worker thread that releases the GIL, so a prompt that takes
+    long to tokenize (and then does not fit the context) never holds up another request:
+    a short request started first finishes before the long prompt is even refused."""
+    svc = EngineService.from_model(path, model_id="tiny", max_prompt_bytes=2**23, **ENGINE)
+    long_prompt = "a few words " * (2**19 // 12)  # ~512 KB, ~300k tokens
+    events: list[str] = []
+
+    async def short() -> None:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        async for out in svc.generate(PROMPT, params):
+            if len(out.outputs[0].token_ids) == 1:
+                events.append("short started")
+        events.append("short finished")
+
+    async def long() -> None:
+        with pytest.raises(PromptTooLongError, match="the model's context is 256"):
+            await _collect(svc.generate(long_prompt, SamplingParams(max_tokens=1)))
+        events.append("long refused")
+
+    async def both() -> None:
+        task = asyncio.create_task(short())
+        while "short started" not in events:
+            await asyncio.sleep(0)
+        await asyncio.gather(long(), task)
+
+    try:
+        _run(both())
+    finally:
+        svc.llm.shutdown()
+    assert events == ["short started", "short finished", "long refused"]
+
+
+def test_max_tokens_past_the_context_is_refused_like_vllm(service):
+    with pytest.raises(PromptTooLongError) as exc:
+        _run(_collect(service.generate(PROMPT, SamplingParams(max_tokens=250))))
+    msg = str(exc.value)
+    assert "max_tokens is too large: 250" in msg and "context length is 256 tokens" in msg
+    assert f"{len(PROMPT)} input tokens" in msg
+    fits = _run(_collect(service.generate(PROMPT, SamplingParams(max_tokens=248))))  # 8 + 248
+    assert fits[-1].finished
+    with pytest.raises(PromptTooLongError, match="the prompt has 300 tokens"):
+        _run(_collect(service.generate([5] * 300, SamplingParams(max_tokens=None))))
+    assert _idle(service)
+
+
+@pytest.mark.parametrize("prompt", ["", "a\ud800b"])
+def test_empty_and_invalid_unicode_prompts_are_bad_requests(service, prompt):
+    message = "is empty" if not prompt else r"not valid Unicode: a lone surrogate \(U\+D800\)"
+    with pytest.raises(InvalidRequestError, match=message) as exc:
+        _run(_collect(service.generate(prompt, SamplingParams(max_tokens=1))))
+    assert exc.value.http_status == 400
+    assert _idle(service)
+
+
+def test_a_lone_surrogate_is_a_bad_request_wherever_text_is_tokenized(service):
+    bad = "a\ud800b"
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content is not valid"):
+        service.encode_chat([{"role": "user", "content": "hi"}, {"role": "user", "content": bad}])
+    with pytest.raises(InvalidRequestError, match="corrupt_prompt is not valid Unicode"):
+        _run(_collect(service.patch_sweep(SweepSpec(corrupt_prompt=bad, answer_token=5))))
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):  # the tokenizer itself
+        service.engine.tokenizer.encode(bad)
+    # a prompt tokenized off the engine thread keeps its text in the outputs
+    out = _run(_collect(service.generate("hello there", SamplingParams(max_tokens=1))))
+    assert out[-1].prompt == "hello there"
