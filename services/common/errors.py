@@ -1,12 +1,20 @@
-"""The one exception hierarchy of Coxswain, mapped once to HTTP and once to gRPC status codes.
+"""The one exception hierarchy of Coxswain, mapped once to HTTP and once to gRPC status codes,
+and unwrapped once from Ray.
 
 Every error a user can cause is a `CoxswainError` whose message names the problem.
-Servers map these to responses with `http_status` and `grpc_status`; gRPC clients turn a
-status back into the same class with `error_from_grpc`. Nothing else decides status codes.
+Servers map these to responses with `http_status` and `grpc_status` (gRPC servers through
+`grpc_abort_args`, which bounds the message so it fits gRPC's metadata limit); gRPC clients
+turn a status back into the same class with `error_from_grpc`. An error that crossed a Ray
+call becomes the error it stands for with `unwrap_ray_error`, so users see the cause's
+message, never Ray's traceback (pids, addresses, actor ids, file paths, ANSI colours).
+Nothing else decides status codes.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -120,6 +128,74 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
     import grpc
 
     return grpc.StatusCode[exc.grpc_code if isinstance(exc, CoxswainError) else "INTERNAL"]
+
+
+# gRPC sends a status message as trailing metadata, which a client refuses past 8 KiB (the
+# caller then sees gRPC's own "metadata size exceeds" text): messages are cut well below.
+MAX_ERROR_MESSAGE_CHARS = 1024
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def public_message(exc: BaseException, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
+    """What a user is told about `exc`: its message without terminal colour codes, cut to
+    `limit` characters (a huge id quoted back must not make the reply undeliverable)."""
+    text = _ANSI.sub("", str(exc))
+    return text if len(text) <= limit else text[: limit - 30] + f"... ({len(text)} characters)"
+
+
+def grpc_abort_args(
+    exc: BaseException,
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """`(code, details, trailing_metadata)` to end a gRPC call with `exc`: our errors keep
+    their message and name their class; anything else is INTERNAL, named by its type only
+    (a bug's message may hold internals; the server logs it)."""
+    if isinstance(exc, CoxswainError):
+        metadata = ((GRPC_ERROR_METADATA_KEY, type(exc).__name__),)
+        return grpc_status(exc), public_message(exc), metadata
+    return grpc_status(exc), f"internal error ({type(exc).__name__})", ()
+
+
+def unwrap_ray_error(exc: BaseException, what: str = "the engine replica") -> BaseException:
+    """The error a Ray call's failure stands for, for users to see: our `CoxswainError`
+    raised inside the task or actor (a `RayTaskError`'s cause), or a ServiceUnavailableError
+    naming only `what` (the actor or replica called) and an exception type when it died,
+    was cancelled, did not answer, or failed with anything else (logged here in full: a
+    collective op under a dying rank raises plain RuntimeErrors whose text holds addresses).
+
+    `RayTaskError` is checked first: Ray makes it a subclass of its cause's class, so a
+    wrapped InvalidRequestError *is* an InvalidRequestError whose message is the traceback."""
+    import ray.exceptions as rex
+
+    for _ in range(8):  # a task that called a task: one RayTaskError per hop
+        if not isinstance(exc, rex.RayTaskError):
+            break
+        cause = getattr(exc, "cause", None)
+        if cause is None:
+            return ServiceUnavailableError(f"{what} failed during the call: retry shortly")
+        if not isinstance(cause, CoxswainError | rex.RayError):
+            logging.getLogger(__name__).error("%s failed during a call", what, exc_info=cause)
+            return ServiceUnavailableError(
+                f"{what} failed during the call ({type(cause).__name__}): retry shortly"
+            )
+        exc = cause
+    if isinstance(exc, CoxswainError) or not isinstance(exc, (rex.RayError, *_serve_errors())):
+        return exc
+    if isinstance(exc, rex.TaskCancelledError):
+        return ServiceUnavailableError(f"the call to {what} was cancelled")
+    if isinstance(exc, rex.GetTimeoutError):
+        return ServiceUnavailableError(f"{what} did not answer in time: retry shortly")
+    if isinstance(exc, rex.RayActorError | rex.ActorUnavailableError):
+        return ServiceUnavailableError(
+            f"{what} failed during the call; it is being replaced: retry shortly"
+        )
+    return ServiceUnavailableError(f"{what} is unavailable ({type(exc).__name__}): retry shortly")
+
+
+def _serve_errors() -> tuple[type[BaseException], ...]:
+    """Ray Serve's own errors (not RayErrors): only where Serve is loaded, as only Serve
+    raises them (importing it elsewhere would cost a second)."""
+    module = sys.modules.get("ray.serve.exceptions")
+    return (module.RayServeException,) if module is not None else ()
 
 
 # Statuses a server sends without naming a class (gRPC's own limits, transport failures).

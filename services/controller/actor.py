@@ -2,9 +2,10 @@
 server), so Ray starts, places and restarts it like every other Coxswain service.
 
 Ray is imported only here, and only when needed. A restarted actor starts a fresh controller
-under the same consumer name: it first takes back the entries its previous life read but
-never acknowledged, so none is lost to the restart. Policy state (latched conversations,
-installed monitors) lives in memory and starts empty; pass `max_restarts` to restart it.
+under the same consumer name: it loads the policies and latched conversations saved in
+Redis (the `policies` it was started with only seed a group with none saved), then takes
+back the entries its previous life read but never acknowledged, so none is lost to the
+restart. Pass `max_restarts` (the Serve app passes -1) to have Ray restart it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ControllerActor:
         redis_url: str,
         policies: list[Any] | None = None,
         *,
-        grpc_host: str = "0.0.0.0",
+        grpc_host: str = "127.0.0.1",  # loopback unless the deployment widens it
         grpc_port: int | None = None,
         keys: ApiKeys | None = None,
         autostart: bool = True,

@@ -210,6 +210,7 @@ def status_to_proto(status: dict[str, Any]) -> pb.ControllerStatus:
             "stream_resets",
             "lost_entries",
             "latched_conversations",
+            "policies_loaded",
         )
     }
     return pb.ControllerStatus(
@@ -218,6 +219,7 @@ def status_to_proto(status: dict[str, Any]) -> pb.ControllerStatus:
         actions_written=status["actions_written"],
         actions_dropped=status["actions_dropped"],
         last_error=status["last_error"] or "",
+        last_rejection=status["last_rejection"] or "",
         policies=policies,
     )
 
@@ -232,6 +234,7 @@ def status_from_proto(msg: pb.ControllerStatus) -> dict[str, Any]:
     out["lag"] = msg.lag if msg.HasField("lag") else None
     out["pending"] = msg.pending if msg.HasField("pending") else None
     out["last_error"] = msg.last_error or None
+    out["last_rejection"] = msg.last_rejection or None
     out["actions_written"] = dict(msg.actions_written)
     out["actions_dropped"] = dict(msg.actions_dropped)
     out["policies"] = [

@@ -10,6 +10,12 @@ the buffer keeps the newest entries and counts the ones it had to drop as lost.
 Which requests are published: every token of a request that asked for `readouts`; for a
 request with a `conversation_id` but no read-outs, its first token and its finish, so the
 latch policy sees the conversation's later requests start.
+
+Inside a Ray worker (an engine replica of the Serve app) the counters are also Ray metrics,
+which Ray exports to Prometheus from every node (`ray_coxswain_engine_link_readouts_total`
+by replica and outcome: produced, published, lost; `..._actions_total`: received,
+submitted, malformed, dropped; `..._redis_errors_total`), so lost read-outs show on a
+dashboard, not only in `counters()`.
 """
 
 from __future__ import annotations
@@ -83,10 +89,11 @@ class EngineLink:
         self.produced = self.published = self.lost = self.publish_errors = 0
         self.received = self.submitted = self.malformed = self.dropped = 0
         self.reconnects = 0
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # while a thread's Redis calls fail; then None
         self.last_rejection: str | None = None
         self._down = {"flusher": False, "drainer": False}
 
+        self._metrics = _RayMetrics.for_replica(replica_id)
         llm.add_listener(self._on_outputs)
         self._threads = [
             threading.Thread(target=self._flush_loop, name=f"link-flush-{replica_id}", daemon=True),
@@ -171,6 +178,8 @@ class EngineLink:
             self._wake.clear()
             while not self._stop.is_set() and self._flush_batch(client):
                 backoff.reset()
+            if self._metrics is not None:
+                self._metrics.export(self._totals())
             if self._down["flusher"] and backoff.wait():
                 return
 
@@ -264,6 +273,22 @@ class EngineLink:
                 self.reconnects += 1
                 log.info("replica %s: Redis %s reconnected", self.replica_id, who)
             self._down[who] = False
+            if not any(self._down.values()):
+                self.last_error = None  # recovered: the failures stay counted
+
+    def _totals(self) -> dict[tuple[str, str], int]:
+        """(metric, outcome) -> count, for `_RayMetrics`."""
+        with self._lock:
+            return {
+                ("readouts", "produced"): self.produced,
+                ("readouts", "published"): self.published,
+                ("readouts", "lost"): self.lost,
+                ("actions", "received"): self.received,
+                ("actions", "submitted"): self.submitted,
+                ("actions", "malformed"): self.malformed,
+                ("actions", "dropped"): self.dropped,
+                ("redis_errors", ""): self.publish_errors,
+            }
 
     # -- public --------------------------------------------------------------------------
 
@@ -325,9 +350,50 @@ class EngineLink:
                 pass
         finally:
             client.close()
+        if self._metrics is not None:
+            self._metrics.export(self._totals())
 
     def __enter__(self) -> EngineLink:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _RayMetrics:
+    """An engine link's counters as Ray metrics (Ray exports them to Prometheus), fed the
+    link's running totals: each `export` adds what grew since the last one."""
+
+    def __init__(self, replica_id: str) -> None:
+        from ray.util.metrics import Counter
+
+        def counter(name: str, doc: str, outcome: bool = True) -> Counter:
+            keys = ("replica", "outcome") if outcome else ("replica",)
+            return Counter(f"coxswain_engine_link_{name}", description=doc, tag_keys=keys)
+
+        self.replica_id = replica_id
+        self.counters = {
+            "readouts": counter("readouts", "Read-outs by outcome: produced, published, lost."),
+            "actions": counter(
+                "actions", "Controller actions by outcome: received, submitted, malformed, dropped."
+            ),
+            "redis_errors": counter("redis_errors", "Failed read-out publishes.", outcome=False),
+        }
+        self._sent: dict[tuple[str, str], int] = {}
+
+    @classmethod
+    def for_replica(cls, replica_id: str) -> _RayMetrics | None:
+        """Metrics when this process is a Ray worker (else None: nothing would export them)."""
+        try:
+            import ray
+        except ImportError:
+            return None
+        return cls(replica_id) if ray.is_initialized() else None
+
+    def export(self, totals: dict[tuple[str, str], int]) -> None:
+        for (name, outcome), total in totals.items():
+            grown = total - self._sent.get((name, outcome), 0)
+            if grown > 0:
+                tags = {"replica": self.replica_id, **({"outcome": outcome} if outcome else {})}
+                self.counters[name].inc(grown, tags=tags)
+                self._sent[name, outcome] = total

@@ -12,7 +12,9 @@ the entry; the controller writes them to that replica's queue.
   `fire_threshold`; at `install_rate` it installs an in-graph monitor (and optionally a
   dynamic-tier vector for it to gate), at `clear_rate` it clears them again.
 - `latch`: once a token's score passes `threshold` in a conversation, the firing request
-  and every later request of that conversation get `steering` as a decode override.
+  and every later request of that conversation get `steering` as a decode override. Its
+  latched conversations are what the controller saves in Redis (`take_changes`, `restore`),
+  so a restarted controller keeps steering them.
 """
 
 from __future__ import annotations
@@ -361,10 +363,30 @@ class LatchPolicy(Policy):
         self._latched: OrderedDict[str, None] = OrderedDict()  # conversation ids, LRU
         self._overridden: OrderedDict[tuple[str, str], None] = OrderedDict()  # (replica, rid)
         self.fired = self.evictions = 0
+        # Since the last `take_changes`: conversations (re)latched, in LRU order, and evicted.
+        self._touched: OrderedDict[str, None] = OrderedDict()
+        self._evicted: list[str] = []
 
     @property
     def latched(self) -> int:
         return len(self._latched)
+
+    def latched_conversations(self) -> list[str]:
+        """The latched conversations, least recently latched first."""
+        return list(self._latched)
+
+    def restore(self, conversations: list[str]) -> None:
+        """Latch `conversations` (least recently latched first), as saved by a previous life."""
+        for conv in conversations[-self.config.max_conversations :]:
+            self._latched[conv] = None
+            self._latched.move_to_end(conv)
+
+    def take_changes(self) -> tuple[list[str], list[str]]:
+        """(conversations latched or touched, conversations evicted) since the last call,
+        for the controller to save before it acknowledges the entries that caused them."""
+        touched, evicted = list(self._touched), self._evicted
+        self._touched, self._evicted = OrderedDict(), []
+        return touched, evicted
 
     def is_latched(self, conversation_id: str) -> bool:
         return conversation_id in self._latched
@@ -381,8 +403,12 @@ class LatchPolicy(Policy):
         if conv is not None and (fired or latched):
             self._latched[conv] = None
             self._latched.move_to_end(conv)
+            self._touched[conv] = None
+            self._touched.move_to_end(conv)
             if len(self._latched) > c.max_conversations:
-                self._latched.popitem(last=False)
+                gone, _ = self._latched.popitem(last=False)
+                self._touched.pop(gone, None)
+                self._evicted.append(gone)
                 self.evictions += 1
         key = (entry.replica, entry.request_id)
         if entry.finished:  # the conversation stays latched; the request is done

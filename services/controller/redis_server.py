@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -21,18 +22,25 @@ from services.common.net import free_port
 class RedisServer:
     """`redis-server` on `host:port` (port 0: a free one, kept across restarts)."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", executable: str = "redis-server"):
+    def __init__(
+        self,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        executable: str = "redis-server",
+        password: str | None = None,
+    ):
         path = shutil.which(executable)
         if path is None:
             raise ServiceUnavailableError(f"{executable!r} is not installed (apt install redis)")
-        self.executable, self.host = path, host
+        self.executable, self.host, self.password = path, host, password
         self.port = port or free_port(host)
         self._dir = tempfile.TemporaryDirectory(prefix="coxswain-redis-")
         self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -52,11 +60,14 @@ class RedisServer:
                 "--appendonly", "no",
                 "--dir", self._dir.name,
                 "--logfile", str(log),
+                # On the command line (visible to `ps`): fine for tests; `coxswain up`
+                # writes its password to a 0600 config file instead.
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
         try:
             while True:

@@ -17,15 +17,10 @@ import json
 import logging
 import signal
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
-import grpc
-
-from services.common.auth import ApiKeys, Scope
-from services.common.errors import GRPC_ERROR_METADATA_KEY, CoxswainError, grpc_status
-from services.common.grpc_serving import GrpcServer, start_grpc_server
+from services.common.auth import ApiKeys
+from services.common.grpc_serving import GrpcServer, authenticated_rpc, start_grpc_server
 from services.controller import convert
 from services.controller.controller import Controller
 from services.proto.coxswain.v1 import controller_pb2 as pb
@@ -35,30 +30,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Controller"].full_name  # coxswain.v1.Controller
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _rpc(scope: Scope) -> Callable[[_Method], _Method]:
-    """Check the caller's API key for `scope`, then turn our exceptions into gRPC statuses
-    (the class name in trailing metadata); anything else is INTERNAL and logged."""
-
-    def decorate(method: _Method) -> _Method:
-        @functools.wraps(method)
-        def wrapper(self: ControllerServicer, request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                metadata = dict(context.invocation_metadata())
-                self.keys.check(metadata.get("authorization"), scope)
-                return method(self, request, context)
-            except CoxswainError as e:
-                context.set_trailing_metadata(((GRPC_ERROR_METADATA_KEY, type(e).__name__),))
-                context.abort(grpc_status(e), str(e))
-            except Exception as e:
-                log.exception("controller %s failed", method.__name__)
-                context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate
+_rpc = functools.partial(authenticated_rpc, "controller")
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):

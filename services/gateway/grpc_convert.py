@@ -360,9 +360,17 @@ def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
             readouts=[_readout_to_proto(r, f"readouts[{i}]") for i, r in enumerate(p.readouts)],
             patch=[_patch_to_proto(e, f"patch[{i}]") for i, e in enumerate(p.patch)],
         )
-        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "conversation_id"):
+        for name in (
+            "max_tokens",
+            "seed",
+            "logprobs",
+            "prompt_logprobs",
+            "conversation_id",
+            "adapter",
+        ):
             if getattr(p, name) is not None:
                 setattr(msg, name, getattr(p, name))
+        msg.adapter_variant = p.adapter_variant
         if p.steering is not None:
             msg.steering.CopyFrom(steering_to_proto(p.steering))
         if p.capture is not None:
@@ -384,6 +392,8 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         "include_stop_str_in_output": msg.include_stop_str_in_output,
         "logprob_token_ids": list(msg.logprob_token_ids),
     }
+    if msg.adapter_variant:
+        kw["adapter_variant"] = msg.adapter_variant
     for name in (
         "n",
         "temperature",
@@ -393,6 +403,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         "prompt_logprobs",
         "skip_special_tokens",
         "conversation_id",
+        "adapter",
     ):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)

@@ -4,8 +4,15 @@
 Every RPC converts its message (`grpc_convert`), awaits the service, and converts back. The
 service's blocking calls (those that wait for the engine lock, read files or copy tensors)
 run in worker threads, so a model forward never stalls the event loop. A `CoxswainError`
-becomes its status (`grpc_status`) with the class name in trailing metadata; anything else
-is INTERNAL and logged. Either way the server keeps serving.
+becomes its status (`grpc_abort_args`) with the class name in trailing metadata; anything
+else is INTERNAL and logged. Either way the server keeps serving. Every request's
+identifiers are bounded (`check_field_lengths`) before any work, so an oversized id is
+INVALID_ARGUMENT, not a reply too large for gRPC's metadata.
+
+The Engine servicer knows the Generate calls it is streaming: a second Generate with an
+in-flight request id is refused without touching the first, and `Abort` ends the first's
+stream with a last message whose samples finish with "abort", whatever the backend does to
+an aborted stream (a remote replica's stream is cancelled, which ends it with an error).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -26,11 +33,13 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import ApiKeys, Scope
 from services.common.errors import (
-    GRPC_ERROR_METADATA_KEY,
     CoxswainError,
+    DuplicateRequestError,
     InvalidRequestError,
-    grpc_status,
+    grpc_abort_args,
 )
+from services.common.grpc_serving import check_field_lengths
+from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import EngineService
 from services.gateway import grpc_convert as convert
@@ -61,21 +70,20 @@ PUBLIC_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME})
 _Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: CoxswainError) -> None:
-    await context.abort(
-        grpc_status(exc),
-        str(exc),
-        trailing_metadata=((GRPC_ERROR_METADATA_KEY, type(exc).__name__),),
-    )
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code, details, trailing = grpc_abort_args(exc)
+    await context.abort(code, details, trailing_metadata=trailing)
 
 
 def _rpc(method: _Method) -> _Method:
-    """Map a servicer method's exceptions to statuses. Cancellation (the client went away) is
-    not an exception here: it propagates, and the method's cleanup aborts its request."""
+    """Check the request's field lengths, then map the method's exceptions to statuses.
+    Cancellation (the client went away) is not an exception here: it propagates, and the
+    method's cleanup aborts its request."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            check_field_lengths(request)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise  # the method ended the call itself
@@ -83,9 +91,28 @@ def _rpc(method: _Method) -> _Method:
             await _abort(context, e)
         except Exception as e:
             log.exception("gRPC %s failed", method.__qualname__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            await _abort(context, e)
 
     return wrapper  # type: ignore[return-value]
+
+
+@dataclass
+class _Streaming:
+    """A Generate call in flight: what its client was last sent, and whether Abort ended it."""
+
+    n: int
+    last: RequestOutput | None = None
+    aborted: bool = False
+
+
+def _aborted(rid: str, streaming: _Streaming) -> RequestOutput:
+    """The last output of an aborted request: what it had, every unfinished sample "abort"."""
+    last = streaming.last
+    if last is None:  # aborted before its first step
+        samples = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(streaming.n)]
+        last = RequestOutput(rid, None, [], samples, finished=False)
+    outputs = [c if c.finished else replace(c, finish_reason="abort") for c in last.outputs]
+    return replace(last, outputs=outputs, finished=True)
 
 
 class EngineServicer(pb_grpc.EngineServicer):
@@ -93,6 +120,7 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     def __init__(self, service: EngineService) -> None:
         self.service = service
+        self._streaming: dict[str, _Streaming] = {}  # request id -> its Generate call
 
     @_rpc
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -100,13 +128,39 @@ class EngineServicer(pb_grpc.EngineServicer):
         # remote engine replica (the gateway's backend).
         params, prompt = await asyncio.to_thread(self._decode, request)
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        if rid in self._streaming:  # refused here, so the first call's entry stays intact
+            raise DuplicateRequestError(f"request id {rid!r} is already in use")
+        streaming = self._streaming[rid] = _Streaming(n=params.n)
+        try:
+            await self._stream(prompt, params, rid, streaming, context)
+        finally:
+            del self._streaming[rid]
+
+    async def _stream(
+        self,
+        prompt: convert.EnginePrompt,
+        params: SamplingParams,
+        rid: str,
+        streaming: _Streaming,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
         deltas = convert.OutputDeltas()
-        # aclosing: when the client cancels, CancelledError lands in an await below and
-        # closing the stream aborts the request (its KV blocks are freed at once).
-        async with aclosing(self.service.generate(prompt, params, rid)) as outputs:  # type: ignore[type-var]
-            async for out in outputs:
-                await context.write(deltas.next(out))
+        try:
+            # aclosing: when the client cancels, CancelledError lands in an await below and
+            # closing the stream aborts the request (its KV blocks are freed at once).
+            async with aclosing(self.service.generate(prompt, params, rid)) as outputs:  # type: ignore[type-var]
+                async for out in outputs:
+                    streaming.last = out
+                    await context.write(deltas.next(out))
+        except (Exception, asyncio.CancelledError):
+            # An Abort may end the backend's stream with an error (a cancelled remote
+            # stream): the caller asked for that, so it gets the aborted output instead.
+            current = asyncio.current_task()
+            if not streaming.aborted or (current is not None and current.cancelling()):
+                raise
+        if streaming.aborted and (streaming.last is None or not streaming.last.finished):
+            await context.write(deltas.next(_aborted(rid, streaming)))
 
     def _decode(self, request: pb.GenerateRequest) -> tuple[SamplingParams, convert.EnginePrompt]:
         params = convert.sampling_params_from_proto(request.params)
@@ -116,6 +170,9 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidRequestError("Abort needs a request_id")
+        streaming = self._streaming.get(request.request_id)
+        if streaming is not None:
+            streaming.aborted = True
         await self.service.abort(request.request_id)
         return pb.AbortResponse()
 

@@ -20,6 +20,7 @@ from services.client import AsyncCoxswainClient, CoxswainClient
 from services.common.auth import ApiKeys
 from services.common.errors import (
     GRPC_ERROR_METADATA_KEY,
+    DuplicateRequestError,
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
@@ -39,6 +40,8 @@ from services.gateway.grpc_server import (
 from services.patch_store.store import PatchStore
 from services.proto.coxswain.v1 import engine_pb2 as pb
 from services.proto.coxswain.v1 import engine_pb2_grpc as pb_grpc
+from services.proto.coxswain.v1 import steering_pb2 as steering_pb
+from services.proto.coxswain.v1 import steering_pb2_grpc as steering_grpc
 
 H = 64
 ADMIN_KEY = "admin-secret-000000"
@@ -119,16 +122,17 @@ def client(served):
 
 
 def _assert_same_logprobs(got: RequestOutput, want: RequestOutput) -> None:
+    # The served engine and the offline one batch differently: float32 at the oracle's 1e-4.
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     for g, w in zip(got.prompt_logprobs or [], want.prompt_logprobs or [], strict=True):
         assert (g is None) == (w is None)
         if g is not None:
             assert g.keys() == w.keys()
-            assert [g[t] for t in w] == pytest.approx([w[t] for t in w], abs=1e-5)
+            assert [g[t] for t in w] == pytest.approx([w[t] for t in w], abs=1e-4)
     for g, w in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
         assert g.keys() == w.keys()
-        assert [g[t] for t in w] == pytest.approx([w[t] for t in w], abs=1e-5)
+        assert [g[t] for t in w] == pytest.approx([w[t] for t in w], abs=1e-4)
 
 
 def _max_logprob_gap(a: RequestOutput, b: RequestOutput) -> float:
@@ -199,7 +203,7 @@ def test_gates_readouts_and_a_probe_stop_match_offline(client, offline):
     got = client.complete(PROMPT, steering=steering, **params)
     _assert_same_logprobs(got, want)
     scores = [r["p"] for r in want.outputs[0].readouts]
-    assert [r["p"] for r in got.outputs[0].readouts] == pytest.approx(scores, abs=1e-5)
+    assert [r["p"] for r in got.outputs[0].readouts] == pytest.approx(scores, abs=1e-4)
 
     # Stop where the read-out peaks: the probe fires on the residual of that token.
     stop = {**steering, "abort_when": {"probe": probe, "layer": 1, "threshold": max(scores) - 1e-3}}
@@ -229,7 +233,7 @@ def test_captures_come_back_as_tensors_equal_to_offline(client, offline):
     assert set(got.captures) == set(want.captures) == {"0.post_block", "1.post_block", "1.pre_attn"}
     for key, t in want.captures.items():
         assert got.captures[key].dtype == torch.float32
-        torch.testing.assert_close(got.captures[key], t, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.captures[key], t, rtol=0, atol=1e-4)
 
 
 def test_a_patched_request_matches_offline(client, offline):
@@ -290,16 +294,16 @@ def test_a_streamed_sweep_equals_an_offline_sweep(client, offline):
         w = expected[(c.site, c.layer, c.position)]
         assert c.void is None
         assert (c.value, c.logprob_answer, c.logprob_foil) == pytest.approx(
-            (w.value, w.logprob_answer, w.logprob_foil), abs=1e-5
+            (w.value, w.logprob_answer, w.logprob_foil), abs=1e-4
         )
-    np.testing.assert_allclose(result.grid, want.grid, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.grid, want.grid, rtol=0, atol=1e-4)
     assert (result.layers, result.positions, result.sites) == (
         want.layers,
         want.positions,
         want.sites,
     )
-    assert result.clean == pytest.approx(want.clean, abs=1e-5)
-    assert result.corrupt == pytest.approx(want.corrupt, abs=1e-5)
+    assert result.clean == pytest.approx(want.clean, abs=1e-4)
+    assert result.corrupt == pytest.approx(want.corrupt, abs=1e-4)
     assert (result.argmax.layer, result.argmax.position) == (
         want.argmax.layer,
         want.argmax.position,
@@ -540,3 +544,87 @@ def test_output_deltas_rebuild_every_cumulative_output():
         assert got.outputs == want.outputs and got.finished == want.finished
         assert (got.request_id, got.prompt, got.prompt_token_ids) == ("r", "p", [1, 2])
     assert len(msg.outputs[0].token_ids) == 1 and msg.outputs[0].text_offset == 2
+
+
+# -- a reused request id, Abort, oversized identifiers -------------------------------------------
+
+LONG = "a" * 10_000
+
+
+def test_a_reused_request_id_is_refused_and_abort_still_ends_the_original(served, client):
+    stream = client.generate(PROMPT, request_id="held", max_tokens=400, ignore_eos=True)
+    assert next(stream).request_id == "held"
+    with pytest.raises(DuplicateRequestError, match="'held' is already in use"):
+        client.complete(PROMPT, request_id="held", max_tokens=2)
+    client.abort("held")
+    *_, final = stream
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert len(final.outputs[0].token_ids) < 400
+    assert served.idle()
+    # the id is free again once its request ended
+    assert client.complete(PROMPT, request_id="held", max_tokens=2).finished
+
+
+def _refusal(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["request_id", "drop_patch_source", "vector_name", "patch_run", "conversation_id"],
+)
+def test_an_oversized_identifier_is_invalid_argument_with_our_message(served, client, what):
+    metadata = (("authorization", f"Bearer {ADMIN_KEY}"),)
+    prompt = pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT))
+    generate = {
+        "request_id": pb.GenerateRequest(prompt=prompt, request_id=LONG),
+        "vector_name": pb.GenerateRequest(
+            prompt=prompt,
+            params=pb.SamplingParams(
+                steering=pb.SteeringSpec(
+                    vectors=[pb.SteerVector(layers=[0], vector=pb.VectorValue(name=LONG))]
+                )
+            ),
+        ),
+        "patch_run": pb.GenerateRequest(
+            prompt=prompt,
+            params=pb.SamplingParams(
+                patch=[
+                    pb.PatchEntry(
+                        layer=0,
+                        position=0,
+                        source=pb.PatchSource(run=pb.RunPosition(run=LONG, position=0)),
+                    )
+                ]
+            ),
+        ),
+        "conversation_id": pb.GenerateRequest(
+            prompt=prompt, params=pb.SamplingParams(conversation_id=LONG)
+        ),
+    }
+    with grpc.insecure_channel(served.address) as channel:
+        if what == "drop_patch_source":
+            stub = steering_grpc.SteeringStub(channel)
+            request = steering_pb.DropPatchSourceRequest(run=LONG)
+            err = _refusal(lambda: stub.DropPatchSource(request, metadata=metadata, timeout=10))
+        else:
+            stub = pb_grpc.EngineStub(channel)
+            call = lambda: list(stub.Generate(generate[what], metadata=metadata, timeout=10))  # noqa: E731
+            err = _refusal(call)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert dict(err.trailing_metadata())[GRPC_ERROR_METADATA_KEY] == "InvalidRequestError"
+    assert "10000 characters long; at most 256" in err.details()
+    assert len(err.details()) < 300 and "metadata" not in err.details()
+    # and through the client: the same class, and the server goes on serving
+    if what == "drop_patch_source":
+        with pytest.raises(InvalidRequestError, match="at most 256"):
+            client.drop_patch_source(LONG)
+    assert client.complete(PROMPT, max_tokens=1).finished
+
+
+def test_an_adapter_reaches_the_engine_instead_of_being_dropped(client):
+    # This engine serves no adapters: a request naming one must say so, never run unadapted.
+    with pytest.raises(InvalidRequestError, match="serves no adapters"):
+        client.complete(PROMPT, max_tokens=1, adapter="policy", adapter_variant="deploy")

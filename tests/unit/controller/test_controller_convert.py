@@ -109,6 +109,8 @@ def test_status_round_trips_through_its_message():
         "lost_entries": 0,
         "latched_conversations": 2,
         "last_error": "ConnectionError: gone",
+        "last_rejection": "entry 1-0 has no replica",
+        "policies_loaded": True,
         "policies": [
             {"name": "l", "kind": "latch", "entries": 9, "actions": 2, "errors": 0,
              "last_error": None, "fired": 3, "latched_conversations": 2, "evictions": 0},

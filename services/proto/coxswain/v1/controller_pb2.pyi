@@ -161,7 +161,7 @@ class PolicyStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., entries: _Optional[int] = ..., actions: _Optional[int] = ..., errors: _Optional[int] = ..., last_error: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., installed_on: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ControllerStatus(_message.Message):
-    __slots__ = ("running", "ready", "connected", "stream", "group", "consumer", "lag", "pending", "processed", "reclaimed", "malformed", "actions_written", "actions_dropped", "redis_errors", "reconnects", "stream_resets", "lost_entries", "latched_conversations", "last_error", "policies")
+    __slots__ = ("running", "ready", "connected", "stream", "group", "consumer", "lag", "pending", "processed", "reclaimed", "malformed", "actions_written", "actions_dropped", "redis_errors", "reconnects", "stream_resets", "lost_entries", "latched_conversations", "last_error", "policies", "last_rejection", "policies_loaded")
     class ActionsWrittenEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,8 @@ class ControllerStatus(_message.Message):
     LATCHED_CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     POLICIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_REJECTION_FIELD_NUMBER: _ClassVar[int]
+    POLICIES_LOADED_FIELD_NUMBER: _ClassVar[int]
     running: bool
     ready: bool
     connected: bool
@@ -216,4 +218,6 @@ class ControllerStatus(_message.Message):
     latched_conversations: int
     last_error: str
     policies: _containers.RepeatedCompositeFieldContainer[PolicyStatus]
-    def __init__(self, running: bool = ..., ready: bool = ..., connected: bool = ..., stream: _Optional[str] = ..., group: _Optional[str] = ..., consumer: _Optional[str] = ..., lag: _Optional[int] = ..., pending: _Optional[int] = ..., processed: _Optional[int] = ..., reclaimed: _Optional[int] = ..., malformed: _Optional[int] = ..., actions_written: _Optional[_Mapping[str, int]] = ..., actions_dropped: _Optional[_Mapping[str, int]] = ..., redis_errors: _Optional[int] = ..., reconnects: _Optional[int] = ..., stream_resets: _Optional[int] = ..., lost_entries: _Optional[int] = ..., latched_conversations: _Optional[int] = ..., last_error: _Optional[str] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ...) -> None: ...
+    last_rejection: str
+    policies_loaded: bool
+    def __init__(self, running: bool = ..., ready: bool = ..., connected: bool = ..., stream: _Optional[str] = ..., group: _Optional[str] = ..., consumer: _Optional[str] = ..., lag: _Optional[int] = ..., pending: _Optional[int] = ..., processed: _Optional[int] = ..., reclaimed: _Optional[int] = ..., malformed: _Optional[int] = ..., actions_written: _Optional[_Mapping[str, int]] = ..., actions_dropped: _Optional[_Mapping[str, int]] = ..., redis_errors: _Optional[int] = ..., reconnects: _Optional[int] = ..., stream_resets: _Optional[int] = ..., lost_entries: _Optional[int] = ..., latched_conversations: _Optional[int] = ..., last_error: _Optional[str] = ..., policies: _Optional[_Iterable[_Union[PolicyStatus, _Mapping]]] = ..., last_rejection: _Optional[str] = ..., policies_loaded: bool = ...) -> None: ...
