@@ -1,5 +1,5 @@
 """The `coxswain` command line: make tiny checkpoints, generate, run the demo, serve the patch
-store."""
+store, run the local cluster (`up`, `status`, `down`), train."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from services.cluster.local import coxswain_home
 from services.common.errors import CoxswainError
 
-DEFAULT_HOME = Path.home() / ".cache" / "coxswain"
+DEFAULT_HOME = coxswain_home()  # $COXSWAIN_HOME, else ~/.cache/coxswain
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -182,7 +183,12 @@ def cmd_patch_store_serve(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the local cluster and print where everything is."""
+    import signal
+
     from services.cluster.local import UpOptions, up
+
+    # Killed halfway, `up` still stops what it started (SystemExit unwinds like Ctrl-C).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     model = "tiny" if args.tiny or not args.model else args.model
     info = up(
@@ -200,10 +206,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             api_keys_file=args.api_keys_file,
             num_cpus=args.num_cpus,
+            new_keys=args.new_keys,
         )
     )
     already = " (already running)" if info.get("already_running") else ""
     print(f"coxswain is up{already}: model {info['model']}")
+    print(f"  {'listening':10s} {_bind_text(info.get('bind', '127.0.0.1'))}")
     for name in ("http", "openapi", "dashboard", "metrics", "grpc", "redis"):
         print(f"  {name:10s} {info[name]}")
     print(f"  {'controller':10s} {info['controller']}")
@@ -215,12 +223,40 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bind_text(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return f"{host or '0.0.0.0'} (HTTP and gRPC on every interface: other machines can connect)"
+    return f"{host} (HTTP and gRPC; --host 0.0.0.0 to serve other machines)"
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     from services.cluster.local import down
 
     stopped = down()
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """What `coxswain up` started and whether it answers; exit status 1 when it is not up."""
+    from services.cluster.local import status
+
+    report = status()
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["running"] else 1
+    print("coxswain is " + ("up" if report["running"] else "not running"))
+    if "reason" in report:
+        print(f"  {report['reason']}")
+    for name in ("model", "bind", "http", "grpc", "controller", "redis", "api_keys_file"):
+        if name in report:
+            print(f"  {name:14s} {report[name]}")
+    if "ray_head_processes" in report:
+        print(f"  {'ray head':14s} {report['ray_head_processes']} processes")
+    health = report.get("health")
+    if isinstance(health, dict):
+        print(f"  {'health':14s} {json.dumps(health)}")
+    return 0 if report["running"] else 1
 
 
 def cmd_train_grpo(args: argparse.Namespace) -> int:
@@ -231,9 +267,11 @@ def cmd_train_grpo(args: argparse.Namespace) -> int:
     from services.trainer.grpo import run, validate_config
 
     raw = yaml.safe_load(Path(args.config).read_text()) or {}
-    config = validate_config(raw, source=args.config)
     if args.out_dir:
-        config = config.model_copy(update={"out_dir": args.out_dir})
+        raw["out_dir"] = args.out_dir
+    if args.steps is not None:
+        raw["steps"] = args.steps
+    config = validate_config(raw, source=args.config)
     if args.ray:
         records = _train_grpo_on_ray(config, args)
     else:
@@ -262,14 +300,24 @@ def _train_grpo_on_ray(config, args: argparse.Namespace) -> list[dict]:
     from services.trainer.actor import start_trainer
 
     ray.init(logging_level="WARNING")  # RAY_ADDRESS, or the `ray start` cluster, or a new one
+    num_gpus = 1 if config.device.startswith("cuda") else 0
+    _check_ray_room(num_cpus=1, num_gpus=num_gpus)
     actor = start_trainer(
         config,
         resume=not args.fresh,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        num_cpus=1,
+        num_gpus=num_gpus,
     )
     try:
-        url = ray.get(actor.metrics_url.remote())
+        ready, _ = ray.wait([first := actor.metrics_url.remote()], timeout=args.placement_timeout)
+        if not ready:
+            raise CoxswainError(
+                f"the trainer actor did not start within {args.placement_timeout:g} s: "
+                f"{_ray_room_text()} (raise --placement-timeout if the cluster is scaling up)"
+            )
+        url = ray.get(first)
         if url is not None:
             print(f"metrics on {url}", flush=True)
         records: list[dict] = []
@@ -292,6 +340,28 @@ def _train_grpo_on_ray(config, args: argparse.Namespace) -> list[dict]:
         return records
     finally:
         ray.kill(actor)
+
+
+def _ray_room_text() -> str:
+    import ray
+
+    free, total = ray.available_resources(), ray.cluster_resources()
+    return ", ".join(f"{free.get(r, 0):g} of {total.get(r, 0):g} {r}s free" for r in ("CPU", "GPU"))
+
+
+def _check_ray_room(*, num_cpus: float, num_gpus: float) -> None:
+    """Fail at once when the connected Ray cluster has no room for the trainer actor: Ray
+    would otherwise wait forever to place it (a `coxswain up` cluster's replicas may hold
+    every CPU)."""
+    import ray
+
+    free = ray.available_resources()
+    if free.get("CPU", 0) < num_cpus or free.get("GPU", 0) < num_gpus:
+        want = f"{num_cpus:g} CPU" + (f" and {num_gpus:g} GPU" if num_gpus else "")
+        raise CoxswainError(
+            f"the Ray cluster has no room for the trainer actor ({want}): {_ray_room_text()}. "
+            "Free some (e.g. `coxswain up --num-cpus N` leaves the rest), or run without --ray"
+        )
 
 
 def cmd_train_pretrain(args: argparse.Namespace) -> int:
@@ -365,22 +435,37 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--replicas", type=int, default=1, help="engine replicas")
     upp.add_argument("--device", default="auto")
     upp.add_argument("--dtype", default="auto")
-    upp.add_argument("--host", default="127.0.0.1")
+    upp.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface for HTTP and both gRPC servers; 0.0.0.0 serves other machines",
+    )
     upp.add_argument("--port", type=int, default=8000, help="HTTP port")
     upp.add_argument("--grpc-port", type=int, default=50051, help="engine gRPC front")
     upp.add_argument("--controller-grpc-port", type=int, default=50071)
-    upp.add_argument("--redis-url", default=None, help="default: reuse or start a local one")
-    upp.add_argument("--api-keys-file", default=None, help="default: generate keys")
+    upp.add_argument(
+        "--redis-url",
+        default=None,
+        help="your Redis (redis://:PASSWORD@HOST:PORT/0); default: start one with a password",
+    )
+    upp.add_argument("--api-keys-file", default=None, help="default: the cluster's own keys")
+    upp.add_argument("--new-keys", action="store_true", help="replace the cluster's API keys")
     upp.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule")
     upp.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop what `coxswain up` started").set_defaults(func=cmd_down)
+    st = sub.add_parser("status", help="what `coxswain up` started, and whether it answers")
+    st.add_argument("--json", action="store_true", help="one JSON object")
+    st.set_defaults(func=cmd_status)
 
     train = sub.add_parser("train", help="training").add_subparsers(
         dest="train_command", required=True
     )
     grpo = train.add_parser("grpo", help="GRPO with gradient routing (YAML config)")
     grpo.add_argument("--config", required=True, help="a YAML file of GRPOConfig fields")
-    grpo.add_argument("--out-dir", default=None, help="override the config's out_dir")
+    grpo.add_argument(
+        "--out", "--out-dir", dest="out_dir", default=None, help="override the config's out_dir"
+    )
+    grpo.add_argument("--steps", type=int, default=None, help="override the config's steps")
     grpo.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
     grpo.add_argument(
         "--metrics-port", type=int, default=None, help="serve prometheus metrics (0: any port)"
@@ -389,20 +474,36 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument(
         "--ray", action="store_true", help="train in a Ray actor (RAY_ADDRESS or a local Ray)"
     )
+    grpo.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=120.0,
+        help="--ray: seconds to wait for the actor to start",
+    )
     grpo.set_defaults(func=cmd_train_grpo)
-    pre = train.add_parser("pretrain", help="pretrain the tiny base policy (Muon)")
-    pre.add_argument("rest", nargs=argparse.REMAINDER, help="--out DIR [--steps N] ...")
-    pre.set_defaults(func=cmd_train_pretrain)
+    # Its own parser reads the flags (--out DIR --steps N ...; --help lists them).
+    pre = train.add_parser("pretrain", help="pretrain the tiny base policy (Muon)", add_help=False)
+    pre.set_defaults(func=cmd_train_pretrain, passes_flags_on=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse.REMAINDER cannot take flags that come first (`pretrain --out DIR`), so a
+    # command with its own parser gets what this one does not know.
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passes_flags_on", False):
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except CoxswainError as e:
         print(f"coxswain: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("coxswain: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

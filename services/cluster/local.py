@@ -1,28 +1,61 @@
-"""`coxswain up` / `coxswain down`: the whole cluster on this machine.
+"""`coxswain up` / `down` / `status`: the whole cluster on this machine.
 
-`up` reuses a reachable Redis or starts one, starts a Ray head (`ray start`), the patch
-store and controller actors, and the Serve application (gateway + engine replicas), then
-prints the URLs and API keys and returns; everything keeps running until `down`. State
-(the Redis it started, generated API keys) lives in `~/.cache/coxswain/cluster/`.
+`up` checks the model first, then starts what the cluster needs and records each thing in
+the state file as soon as it runs, so that a failure at any later step (and `down`) stops
+exactly what this `up` started and nothing else on the host:
+
+- a `redis-server` of its own, on a free loopback port, with a generated password (from a
+  0600 config file, so it never shows in `ps`); every component gets the password in its
+  `redis://:PASSWORD@127.0.0.1:PORT/0` URL. A Redis of the user's is used only when named
+  with `--redis-url`: an unauthenticated Redis on 6379 is never picked up silently.
+- a Ray head, run by this interpreter's Ray (`python -m ray.scripts.scripts start`, so a
+  venv's `coxswain` works unactivated) in a session of its own: every Ray process of this
+  cluster, workers included, carries that session id, which is how `down` finds them. (`ray
+  stop` would stop every Ray on the host.)
+- the Serve application (gateway, engine replicas, patch store, controller). HTTP, the
+  engine gRPC front and the controller's gRPC bind `--host` (loopback unless widened).
+
+Everything lives in the cluster directory (`$COXSWAIN_HOME/cluster`, default
+`~/.cache/coxswain/cluster`, mode 0700). Files holding secrets (state.json, api_keys,
+redis.conf) are created 0600. API keys are kept across `up` runs unless `--new-keys`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import InvalidRequestError, ServiceUnavailableError
+from services.common.errors import (
+    CheckpointError,
+    CoxswainError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+)
 from services.common.net import free_port
 
-CLUSTER_DIR = Path.home() / ".cache" / "coxswain" / "cluster"
 APP_NAME = "coxswain"
+_ANY_HOST = ("0.0.0.0", "::", "")
+_STOP_GRACE_S = 5.0
+
+
+def coxswain_home() -> Path:
+    """Where Coxswain keeps generated models and the local cluster's state."""
+    return Path(os.environ.get("COXSWAIN_HOME") or Path.home() / ".cache" / "coxswain")
+
+
+def cluster_dir() -> Path:
+    return coxswain_home() / "cluster"
 
 
 @dataclass
@@ -41,142 +74,438 @@ class UpOptions:
     api_keys_file: str | None = None
     num_cpus: int | None = None
     patch_store_budget_gb: float = 1.0
+    new_keys: bool = False
 
 
-def _redis_reachable(url: str) -> bool:
-    import redis
+# -- files that hold secrets -------------------------------------------------------------------
 
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)  # an older directory may have been created with the umask's mode
+    return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` with mode 0600 from the first byte: a new file is opened 0600
+    and renamed over the old one, so no reader ever sees it with wider permissions."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-        client.ping()
-        client.close()
-        return True
-    except Exception:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _state_path() -> Path:
+    return cluster_dir() / "state.json"
+
+
+def read_state() -> dict[str, Any] | None:
+    path = _state_path()
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _save_state(state: dict[str, Any]) -> None:
+    write_private(_state_path(), json.dumps(state, indent=2))
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def _psutil() -> Any:
+    # Ray ships psutil (ray/thirdparty_files) and puts it on sys.path when imported.
+    import ray  # noqa: F401
+
+    return importlib.import_module("psutil")
+
+
+def _alive(proc: Any) -> bool:
+    psutil = _psutil()
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
-def _start_redis(state: dict) -> str:
+def _terminate(procs: list[Any]) -> None:
+    """SIGTERM, then SIGKILL whatever is still running after a grace period."""
+    psutil = _psutil()
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    while time.monotonic() < deadline and any(_alive(p) for p in procs):
+        time.sleep(0.1)
+    for p in procs:
+        if _alive(p):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+# -- Redis -------------------------------------------------------------------------------------
+
+
+def _redis_ping(url: str) -> str | None:
+    """None when Redis at `url` answers PING (authenticated), else why not."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return None
+    except redis.RedisError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _start_redis(directory: Path, state: dict[str, Any]) -> str:
+    """Start a password-protected redis-server on a free loopback port; its URL."""
     exe = shutil.which("redis-server")
     if exe is None:
-        raise ServiceUnavailableError("no Redis is reachable and redis-server is not installed")
-    port = 6379 if not _port_taken(6379) else free_port()
-    CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
-    pidfile = CLUSTER_DIR / "redis.pid"
-    subprocess.run(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes",
-         "--pidfile", str(pidfile), "--dir", str(CLUSTER_DIR), "--save", "",
-         "--logfile", str(CLUSTER_DIR / "redis.log")],
-        check=True,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
+        raise ServiceUnavailableError(
+            "redis-server is not installed (apt install redis-server, brew install redis), "
+            "or pass --redis-url redis://:PASSWORD@HOST:PORT/0"
+        )
+    password = secrets.token_hex(24)  # hex: needs no quoting in a URL
+    port = free_port()
+    pidfile = directory / "redis.pid"
+    pidfile.unlink(missing_ok=True)
+    conf = directory / "redis.conf"
+    write_private(
+        conf,
+        "\n".join(
+            [
+                f"port {port}",
+                "bind 127.0.0.1",
+                "protected-mode yes",
+                f"requirepass {password}",
+                'save ""',
+                "appendonly no",
+                "daemonize yes",
+                f"pidfile {pidfile}",
+                f"dir {directory}",
+                f"logfile {directory / 'redis.log'}",
+                "",
+            ]
+        ),
+    )
+    done = subprocess.run([exe, str(conf)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ServiceUnavailableError(f"redis-server failed to start: {done.stderr[-1000:]}")
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
-    while not _redis_reachable(url):
+    while True:
+        if "redis_pid" not in state and pidfile.is_file():
+            with contextlib.suppress(ValueError):
+                state["redis_pid"] = int(pidfile.read_text().strip())
+                _save_state(state)
+        why = _redis_ping(url)
+        if why is None and "redis_pid" in state:
+            return url
         if time.monotonic() > deadline:
-            raise ServiceUnavailableError(f"redis-server on port {port} did not start")
+            log = directory / "redis.log"
+            tail = log.read_text()[-1000:] if log.is_file() else ""
+            raise ServiceUnavailableError(f"redis-server on port {port} did not start: {tail}")
         time.sleep(0.05)
-    state["redis_pidfile"] = str(pidfile)
-    return url
 
 
-def _port_taken(port: int) -> bool:
-    import socket
+def _stop_redis(state: dict[str, Any]) -> bool:
+    pid = state.get("redis_pid")
+    if pid is None:
+        return False
+    psutil = _psutil()
+    try:
+        proc = psutil.Process(pid)
+        if "redis" not in proc.name() or not _alive(proc):  # the pid was reused
+            return False
+    except psutil.Error:
+        return False
+    _terminate([proc])
+    return True
 
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+
+# -- the Ray head ------------------------------------------------------------------------------
 
 
-def _api_keys(opts: UpOptions, state: dict) -> tuple[str, dict[str, str]]:
-    """The keys file to use; generated (admin + read-only, mode 0600) unless one is given."""
+def _ray_command() -> list[str]:
+    """This interpreter's Ray CLI: works from a venv that is not activated."""
+    return [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _use_ray_token_auth() -> None:
+    """Ray's own token authentication for the head's ports (GCS, raylet), unless the user
+    chose otherwise with RAY_AUTH_MODE. The token is Ray's per-user one (~/.ray/auth_token),
+    generated if missing, so `ray.init()` elsewhere on this host (`train grpo --ray`)
+    connects with it. Set here, in this process's environment, because `ray start` and
+    `ray.init(address=...)` must agree: Ray turns it on for `ray start` whenever a token
+    file exists, and never for a client given an explicit address."""
+    if "ray" in sys.modules and "RAY_AUTH_MODE" not in os.environ:
+        raise CoxswainError("set RAY_AUTH_MODE (token or disabled) before importing ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"].lower() == "token":
+        done = subprocess.run(
+            [*_ray_command(), "get-auth-token", "--generate"], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise ServiceUnavailableError(f"no Ray auth token: {done.stderr[-1000:]}")
+
+
+def _start_ray_head(opts: UpOptions, state: dict[str, Any]) -> str:
+    """`ray start --head` in a new session; the GCS address."""
+    port = free_port()
+    cmd = [
+        *_ray_command(), "start", "--head", f"--port={port}",
+        "--disable-usage-stats", "--include-dashboard=false",
+        # Ports Ray otherwise fixes (10001, 52365): another Ray on this host may hold them.
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+    ]  # fmt: skip
+    if opts.num_cpus is not None:
+        cmd.append(f"--num-cpus={opts.num_cpus}")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,  # every process of this head inherits its session id
+    )
+    # Recorded before it runs: a failure halfway still stops what did start.
+    state.update(ray_session_id=proc.pid, ray_gcs_port=port)
+    _save_state(state)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise ServiceUnavailableError("`ray start --head` did not finish in 180 s") from None
+    if proc.returncode != 0:
+        raise ServiceUnavailableError(f"`ray start --head` failed:\n{out[-2000:]}")
+    return f"127.0.0.1:{port}"
+
+
+def _ray_processes(state: dict[str, Any]) -> list[Any]:
+    """The live processes of the Ray head `up` started: those in its session, provided one
+    of them is this head's (names its GCS port or session directory), so that a session id
+    reused by an unrelated process is never taken for ours."""
+    sid = state.get("ray_session_id")
+    if sid is None:
+        return []
+    psutil = _psutil()
+    members = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid and p.pid != os.getpid() and _alive(p):
+                members.append(p)
+    port, session_dir = state.get("ray_gcs_port"), state.get("ray_session_dir")
+
+    def names_this_head(arg: str) -> bool:  # --gcs-address=IP:PORT, --gcs_server_port=PORT
+        return arg.endswith((f"={port}", f":{port}")) or bool(session_dir and session_dir in arg)
+
+    ours = any(names_this_head(a) for p in members for a in p.info.get("cmdline") or [])
+    return members if ours else []
+
+
+def _stop_ray(state: dict[str, Any]) -> bool:
+    procs = _ray_processes(state)
+    _terminate(procs)
+    return bool(procs)
+
+
+# -- up / down / status ------------------------------------------------------------------------
+
+
+def check_model_dir(model: str | Path) -> None:
+    """Raise CheckpointError naming the path and what is missing, before anything starts."""
+    from services.engine.model.config import load_model_config
+    from services.engine.model.loader import checkpoint_files
+
+    root = Path(model)
+    checkpoint_files(root)  # the directory exists and holds safetensors weights
+    load_model_config(root)  # config.json, a supported architecture
+    if not (root / "tokenizer.json").is_file():
+        raise CheckpointError(f"{root}: no tokenizer.json (only fast tokenizers are supported)")
+
+
+def _api_keys(opts: UpOptions, directory: Path) -> tuple[str, dict[str, str]]:
+    """The keys file and the keys `up` prints: a given file as is; else the cluster's own
+    (admin + read-only), generated once and kept until `--new-keys`."""
+    from services.common.auth import ApiKeys
+
     if opts.api_keys_file:
         return opts.api_keys_file, {}
-    CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
-    path = CLUSTER_DIR / "api_keys"
+    path = directory / "api_keys"
+    if path.is_file() and not opts.new_keys:
+        path.chmod(0o600)
+        try:
+            keys = {k.name: k.secret for k in ApiKeys.parse(path.read_text()).keys}
+        except CoxswainError as e:
+            raise InvalidRequestError(f"{path}: {e} (start with --new-keys to replace it)") from e
+        if {"admin", "read"} <= keys.keys():
+            return str(path), {"admin": keys["admin"], "read": keys["read"]}
     keys = {
         "admin": "cx-admin-" + secrets.token_hex(16),
         "read": "cx-read-" + secrets.token_hex(16),
     }
-    path.write_text("".join(f"{scope}:{scope}:{key}\n" for scope, key in keys.items()))
-    path.chmod(0o600)
-    state["generated_keys"] = True
+    write_private(path, "".join(f"{scope}:{scope}:{key}\n" for scope, key in keys.items()))
     return str(path), keys
+
+
+def _client_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    if host in _ANY_HOST:
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _stop_recorded(state: dict[str, Any]) -> list[str]:
+    stopped = []
+    if _stop_ray(state):
+        stopped.append("ray head")
+    if state.get("redis_started") and _stop_redis(state):
+        stopped.append("redis")
+    return stopped
+
+
+def _clear_state() -> None:
+    for name in ("state.json", "redis.conf", "redis.pid"):
+        (cluster_dir() / name).unlink(missing_ok=True)
 
 
 def up(opts: UpOptions) -> dict[str, Any]:
     """Start the local cluster; returns what `coxswain up` prints (URLs, keys)."""
-    import ray
-    from ray import serve
-
-    from services.gateway.serve_app import resolve_model
-
+    _use_ray_token_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
     if opts.tp < 1 or opts.pp < 1 or opts.replicas < 1:
         raise InvalidRequestError("--tp, --pp and --replicas must be >= 1")
     running = running_cluster()
     if running is not None:
         return {**running, "already_running": True}
-    state: dict[str, Any] = {}
-    redis_url = opts.redis_url or "redis://127.0.0.1:6379/0"
-    if not _redis_reachable(redis_url):
-        if opts.redis_url:
-            raise ServiceUnavailableError(f"Redis at {opts.redis_url} is not reachable")
-        redis_url = _start_redis(state)
-    keys_file, keys = _api_keys(opts, state)
+    if opts.model != "tiny":
+        check_model_dir(opts.model)  # seconds, not a Ray error after the replicas start
+    if opts.redis_url and (why := _redis_ping(opts.redis_url)) is not None:
+        raise ServiceUnavailableError(f"Redis at --redis-url is not usable: {why}")
+    directory = _private_dir(cluster_dir())
+    leftover = read_state()
+    if leftover is not None:  # a cluster that died or an `up` that was killed halfway
+        _stop_recorded(leftover)
+        _clear_state()
+
+    state: dict[str, Any] = {"bind": opts.host}
+    _save_state(state)
+    try:
+        return _start(opts, directory, state)
+    except BaseException:
+        _stop_recorded(state)
+        _clear_state()
+        raise
+
+
+def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Start Redis, the Ray head and the application, recording each in `state`."""
+    import ray
+    from ray import serve
+
+    from services.gateway.serve_app import build_app, resolve_model
+
+    if opts.redis_url:
+        redis_url = opts.redis_url
+    else:
+        state["redis_started"] = True
+        redis_url = _start_redis(directory, state)
+    state["redis_url"] = redis_url
+    _save_state(state)
+    keys_file, keys = _api_keys(opts, directory)
     model = str(resolve_model(opts.model))  # build the tiny model once, before replicas race
 
-    # Ray's GCS defaults to 6379, Redis's port: give it its own.
-    cmd = ["ray", "start", "--head", f"--port={free_port()}", "--disable-usage-stats"]
-    cmd.append("--include-dashboard=false")
-    if opts.num_cpus is not None:
-        cmd.append(f"--num-cpus={opts.num_cpus}")
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise ServiceUnavailableError(f"`ray start` failed:\n{done.stderr[-2000:]}")
-    ray.init(address="auto", namespace="coxswain", logging_level="WARNING", log_to_driver=False)
-
-    serve.start(http_options={"host": opts.host, "port": opts.http_port})
-    from services.gateway.serve_app import build_app
-
-    args = {
-        "model": model,
-        "tp": opts.tp,
-        "pp": opts.pp,
-        "device": opts.device,
-        "dtype": opts.dtype,
-        "api_keys_file": keys_file,
-        "redis_url": redis_url,
-        "grpc_port": opts.grpc_port,
-        "controller_grpc_port": opts.controller_grpc_port,
-        "patch_store_budget_gb": opts.patch_store_budget_gb,
-        "engine_replicas": opts.replicas,
-        "num_gpus_per_rank": 1 if opts.device.startswith("cuda") else 0,
-    }
-    app = build_app(args)  # also starts the patch store and controller actors
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    _wait_healthy(f"http://{opts.host}:{opts.http_port}/health")
+    gcs = _start_ray_head(opts, state)
+    ray.init(address=gcs, namespace="coxswain", logging_level="WARNING", log_to_driver=False)
+    try:
+        state["ray_session_dir"] = ray._private.worker.global_worker.node.get_session_dir_path()
+        state["ray_address"] = ray.get_runtime_context().gcs_address
+        _save_state(state)
+        serve.start(http_options={"host": opts.host, "port": opts.http_port})
+        args = {
+            "model": model,
+            "tp": opts.tp,
+            "pp": opts.pp,
+            "device": opts.device,
+            "dtype": opts.dtype,
+            "api_keys_file": keys_file,
+            "redis_url": redis_url,
+            "grpc_port": opts.grpc_port,
+            "controller_grpc_port": opts.controller_grpc_port,
+            "bind_host": opts.host,
+            "patch_store_budget_gb": opts.patch_store_budget_gb,
+            "engine_replicas": opts.replicas,
+            "num_gpus_per_rank": 1 if opts.device.startswith("cuda") else 0,
+        }
+        app = build_app(args)  # the first engine replica starts the store and controller
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        host = _client_host(opts.host)
+        _wait_healthy(f"http://{host}:{opts.http_port}/health", _auth_headers(keys_file))
+    finally:
+        ray.shutdown()
     info = {
-        "http": f"http://{opts.host}:{opts.http_port}",
-        "openapi": f"http://{opts.host}:{opts.http_port}/docs",
-        "dashboard": f"http://{opts.host}:{opts.http_port}/dashboard"
+        "bind": opts.host,
+        "http": f"http://{host}:{opts.http_port}",
+        "openapi": f"http://{host}:{opts.http_port}/docs",
+        "dashboard": f"http://{host}:{opts.http_port}/dashboard"
         + (f"?key={keys['read']}" if keys else ""),
-        "metrics": f"http://{opts.host}:{opts.http_port}/metrics",
-        "grpc": f"{opts.host}:{opts.grpc_port}",
-        "redis": redis_url,
+        "metrics": f"http://{host}:{opts.http_port}/metrics",
+        "grpc": f"{host}:{opts.grpc_port}",
+        "redis": _redacted(redis_url),
         "model": model,
-        "controller": f"{opts.host}:{opts.controller_grpc_port} (gRPC)",
+        "controller": f"{host}:{opts.controller_grpc_port} (gRPC)",
         "api_keys_file": keys_file,
         "api_keys": keys,
     }
-    (CLUSTER_DIR / "state.json").write_text(json.dumps({**state, **info}, indent=2))
+    state.update(info)
+    _save_state(state)
     return info
 
 
-def _wait_healthy(url: str, timeout_s: float = 300) -> None:
+def _redacted(url: str) -> str:
+    """A Redis URL with its password replaced (it stays in the 0600 state file)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _auth_headers(keys_file: str | None) -> dict[str, str]:
+    """A key for our own health checks (/health is public; a key does no harm)."""
+    from services.common.auth import ApiKeys
+
+    try:
+        keys = ApiKeys.from_env(keys_file).keys if keys_file else []
+    except (OSError, CoxswainError):
+        keys = []
+    return {"Authorization": f"Bearer {keys[0].secret}"} if keys else {}
+
+
+def _wait_healthy(url: str, headers: dict[str, str], timeout_s: float = 300) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(url, timeout=5)
+            r = httpx.get(url, headers=headers, timeout=5)
             if r.status_code == 200:
                 return
             last = f"{r.status_code} {r.text[:200]}"
@@ -190,12 +519,12 @@ def running_cluster() -> dict[str, Any] | None:
     """What `up` printed, if the cluster it started still answers its health check."""
     import httpx
 
-    path = CLUSTER_DIR / "state.json"
-    if not path.is_file():
+    info = read_state()
+    if info is None or "http" not in info:
         return None
-    info = json.loads(path.read_text())
+    headers = _auth_headers(info.get("api_keys_file"))
     try:
-        if httpx.get(info["http"] + "/health", timeout=2).status_code == 200:
+        if httpx.get(info["http"] + "/health", headers=headers, timeout=2).status_code == 200:
             return info
     except httpx.HTTPError:
         pass
@@ -203,28 +532,48 @@ def running_cluster() -> dict[str, Any] | None:
 
 
 def down() -> list[str]:
-    """Stop what `up` started; returns what was stopped."""
-    stopped = []
-    path = CLUSTER_DIR / "state.json"
-    state = json.loads(path.read_text()) if path.is_file() else {}
-    try:
-        import ray
-        from ray import serve
-
-        ray.init(address="auto", namespace="coxswain", logging_level="ERROR")
-        serve.shutdown()
-        ray.shutdown()
-        stopped.append("serve")
-    except Exception:
-        pass
-    if subprocess.run(["ray", "stop", "--force"], capture_output=True).returncode == 0:
-        stopped.append("ray")
-    pidfile = state.get("redis_pidfile")
-    if pidfile and Path(pidfile).is_file():
-        try:
-            os.kill(int(Path(pidfile).read_text().strip()), 15)
-            stopped.append("redis")
-        except (ProcessLookupError, ValueError):
-            pass
-    path.unlink(missing_ok=True)
+    """Stop what `up` started, and only that; returns what was stopped."""
+    state = read_state()
+    if state is None:
+        return []
+    stopped = _stop_recorded(state)
+    _clear_state()  # the API keys stay for the next `up`
     return stopped
+
+
+def _listening(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host.strip("[]"), int(port))) == 0
+
+
+def status() -> dict[str, Any]:
+    """What `up` started and whether each part answers: `running` is True when the gateway
+    is healthy."""
+    import httpx
+
+    state = read_state()
+    if state is None:
+        return {"running": False, "reason": f"no cluster state in {cluster_dir()}"}
+    report: dict[str, Any] = {k: state[k] for k in ("bind", "model", "api_keys_file") if k in state}
+    report["ray_head_processes"] = len(_ray_processes(state))
+    if state.get("redis_url"):
+        why = _redis_ping(state["redis_url"])
+        report["redis"] = f"{_redacted(state['redis_url'])}: " + ("ok" if why is None else why)
+    if "http" not in state:
+        report.update(running=False, reason="`coxswain up` did not finish")
+        return report
+    try:
+        headers = _auth_headers(state.get("api_keys_file"))
+        r = httpx.get(state["http"] + "/health", headers=headers, timeout=5)
+        health = r.json() if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
+    except (httpx.HTTPError, ValueError) as e:
+        health = f"unreachable: {e}"
+    report["http"] = f"{state['http']}: " + ("ok" if isinstance(health, dict) else str(health))
+    report["health"] = health
+    for name in ("grpc", "controller"):
+        address = state[name].split(" ")[0]
+        report[name] = f"{address}: " + ("listening" if _listening(address) else "not listening")
+    report["running"] = isinstance(health, dict)
+    return report

@@ -1,19 +1,106 @@
-"""The `coxswain` command line, run as a user runs it: a subprocess per command."""
+"""The `coxswain` command line, run as a user runs it: a subprocess per command.
+
+The local-cluster tests give each `up` its own COXSWAIN_HOME and free ports, so they never
+touch the user's ~/.cache/coxswain or a cluster the user has running; a second Ray head,
+started beside them, checks that `down` stops only what `up` started.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import stat
 import subprocess
 import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import redis
+
+from services.cluster import local
+from services.common.net import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+GRPO_CONFIG = str(REPO / "examples" / "grpo" / "none.yaml")
 
 
-def _coxswain(*args: str) -> subprocess.CompletedProcess:
+def _coxswain(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
+        env=env,
     )
+
+
+def _home_env(home: Path) -> dict[str, str]:
+    return {**os.environ, "COXSWAIN_HOME": str(home)}
+
+
+def _psutil():
+    return local._psutil()
+
+
+def _processes_in(home: Path) -> list[str]:
+    """Live processes working in `home` (redis-server runs in its cluster directory)."""
+    psutil = _psutil()
+    found = []
+    for p in psutil.process_iter(["cwd", "cmdline"]):
+        cwd = p.info.get("cwd") or ""
+        if cwd.startswith(str(home)) and local._alive(p):
+            found.append(" ".join(p.info.get("cmdline") or []))
+    return found
+
+
+def _accepts(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+def _outside_ip() -> str | None:
+    """This machine's address on its default route, if it has one besides loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+def _printed_keys(stdout: str) -> dict[str, str]:
+    return dict(re.findall(r"^\s+(admin|read)\s+(cx-\S+)$", stdout, re.MULTILINE))
+
+
+@pytest.fixture(scope="module")
+def other_ray_head():
+    """A Ray head that is not `coxswain up`'s (no CPUs: nothing can be placed on it)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "token"
+    ray = [sys.executable, "-m", "ray.scripts.scripts"]
+    subprocess.run([*ray, "get-auth-token", "--generate"], capture_output=True, env=env)
+    proc = subprocess.Popen(
+        [*ray, "start", "--head", f"--port={port}", "--num-cpus=0",
+         "--include-dashboard=false", "--disable-usage-stats",
+         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    head = {"ray_session_id": proc.pid, "ray_gcs_port": port, "address": f"127.0.0.1:{port}"}
+    try:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        yield head
+    finally:
+        local._terminate(local._ray_processes(head))
 
 
 def test_make_tiny_then_generate(tmp_path):
@@ -62,3 +149,131 @@ def test_demo_runs_on_the_embedded_default(tmp_path):
     assert "prefix cache hits" in r.stdout
     hits = r.stdout.split("prefix cache hits ")[1].split("/")[0]
     assert int(hits) > 0
+
+
+# -- training commands -------------------------------------------------------------------------
+
+
+def test_train_pretrain_takes_the_readmes_flags(tmp_path):
+    # The README's `coxswain train pretrain --out runs/base --steps 1000`, shortened.
+    out = tmp_path / "base"
+    r = _coxswain("train", "pretrain", "--out", str(out), "--steps", "1", "--eval", "0")
+    assert r.returncode == 0, r.stderr
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def test_train_grpo_steps_reaches_the_config():
+    r = _coxswain("train", "grpo", "--config", GRPO_CONFIG, "--steps", "0")
+    assert r.returncode == 2
+    assert "unrecognized" not in r.stderr and "steps" in r.stderr  # validated: steps >= 1
+
+
+def test_train_grpo_on_a_ray_cluster_without_a_free_cpu_fails_fast(other_ray_head, tmp_path):
+    env = {**os.environ, "RAY_ADDRESS": other_ray_head["address"], "RAY_AUTH_MODE": "token"}
+    r = _coxswain(
+        "train", "grpo", "--config", GRPO_CONFIG, "--ray", "--steps", "1",
+        "--out", str(tmp_path / "grpo"), env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "no room for the trainer actor" in r.stderr
+    assert "0 of 0 CPUs free" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# -- the local cluster: up, status, down -------------------------------------------------------
+
+
+def test_up_refuses_a_bad_model_path_before_starting_anything(tmp_path):
+    home = tmp_path / "home"
+    missing = tmp_path / "no-such-model"
+    r = _coxswain("up", "--model", str(missing), "--device", "cpu", env=_home_env(home))
+    assert r.returncode == 2
+    assert str(missing) in r.stderr and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+
+    incomplete = tmp_path / "only-config"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("{}")
+    r = _coxswain("up", "--model", str(incomplete), "--device", "cpu", env=_home_env(home))
+    assert r.returncode == 2
+    assert str(incomplete) in r.stderr and "model.safetensors" in r.stderr
+    assert _processes_in(home) == []
+    assert not (home / "cluster" / "state.json").exists()
+
+
+def test_up_stops_its_redis_when_a_later_step_fails(tmp_path):
+    home = tmp_path / "home"
+    (home / "cluster").mkdir(parents=True)
+    keys = home / "cluster" / "api_keys"
+    keys.write_text("admin:admin:short\n")  # an unusable keys file: read after Redis starts
+    r = _coxswain("up", "--tiny", "--device", "cpu", env=_home_env(home))
+    assert r.returncode == 2
+    assert str(keys) in r.stderr and "--new-keys" in r.stderr
+    assert _processes_in(home) == []  # the redis-server it started is gone
+    assert not (home / "cluster" / "state.json").exists()
+    assert not (home / "cluster" / "redis.conf").exists()
+
+
+def test_up_status_down(tmp_path, other_ray_head):
+    home = tmp_path / "home"
+    env = _home_env(home)
+    ports = [str(free_port()) for _ in range(3)]
+    up_args = ["up", "--tiny", "--device", "cpu", "--num-cpus", "2", "--port", ports[0],
+               "--grpc-port", ports[1], "--controller-grpc-port", ports[2]]  # fmt: skip
+    try:
+        r = _coxswain(*up_args, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "listening  127.0.0.1" in r.stdout
+        first_keys = _printed_keys(r.stdout)
+        assert set(first_keys) == {"admin", "read"}
+
+        # Secrets are private from the first byte; the directory is the user's alone.
+        cluster = home / "cluster"
+        assert stat.S_IMODE(cluster.stat().st_mode) == 0o700
+        for name in ("state.json", "api_keys", "redis.conf"):
+            assert stat.S_IMODE((cluster / name).stat().st_mode) == 0o600, name
+
+        # Redis has a password: an unauthenticated LPUSH onto an action queue is refused.
+        state = json.loads((cluster / "state.json").read_text())
+        url = urlparse(state["redis_url"])
+        assert url.hostname == "127.0.0.1" and url.password
+        anonymous = redis.Redis(host=url.hostname, port=url.port)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.lpush("coxswain:actions:replica-0", "{}")
+        with redis.Redis.from_url(state["redis_url"]) as authenticated:
+            assert authenticated.ping()
+        assert "***" in r.stdout and url.password not in r.stdout
+
+        # Every server listens where `up` says: loopback, and nowhere else.
+        for port in ports:
+            assert _accepts("127.0.0.1", int(port)), port
+            outside = _outside_ip()
+            if outside is not None:
+                assert not _accepts(outside, int(port)), (outside, port)
+
+        s = _coxswain("status", "--json", env=env)
+        assert s.returncode == 0, s.stdout + s.stderr
+        report = json.loads(s.stdout)
+        assert report["running"] is True
+        assert report["grpc"].endswith("listening") and report["controller"].endswith("listening")
+        assert report["redis"].endswith("ok") and report["ray_head_processes"] > 0
+
+        # `down` stops this cluster's Ray and Redis, and leaves another Ray on the host alone.
+        d = _coxswain("down", env=env)
+        assert d.returncode == 0, d.stderr
+        assert "ray head" in d.stdout and "redis" in d.stdout
+        assert local._ray_processes(other_ray_head) != []
+        assert local._ray_processes(state) == []
+        assert _processes_in(home) == []
+        assert not _accepts("127.0.0.1", int(ports[0]))
+        s = _coxswain("status", env=env)
+        assert s.returncode == 1 and "not running" in s.stdout
+
+        # The keys survive `down` for the next `up` (which reuses the file: see
+        # tests/unit/cluster/test_local_files.py), while the Redis password goes with it.
+        kept = (cluster / "api_keys").read_text()
+        assert all(key in kept for key in first_keys.values())
+        assert not (cluster / "redis.conf").exists() and not (cluster / "state.json").exists()
+    finally:
+        _coxswain("down", env=env)
+    assert local._ray_processes(other_ray_head) != []

@@ -2,7 +2,8 @@
 
 The Serve configs are checked with Ray's own schema and by building the application the
 way Serve does from `import_path` and `args`; the KubeRay manifests for the wiring between
-them (the embedded Serve config, GPUs, the Secret, the PVCs, Redis, the gRPC Service).
+them (the embedded Serve config, GPUs, the Secrets, the PVCs, Redis and its password, the
+gRPC Service).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, get_args
 from urllib.parse import urlparse
@@ -39,6 +41,15 @@ def only(docs: list[dict], kind: str) -> dict:
     found = [d for d in docs if d["kind"] == kind]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
+
+
+def secret(name: str) -> dict:
+    (found,) = [
+        d
+        for d in documents(KUBERAY / "secret.example.yaml")
+        if d["kind"] == "Secret" and d["metadata"]["name"] == name
+    ]
+    return found
 
 
 def rayservice() -> dict:
@@ -187,6 +198,8 @@ def test_cpu_config_asks_for_no_gpu():
     assert (args.model, args.device, args.dtype) == ("tiny", "cpu", "float32")
     for d in app_of(config)["deployments"]:
         assert d["ray_actor_options"].get("num_gpus", 0) == 0
+    # One machine: gRPC on loopback, like its HTTP.
+    assert args.bind_host == config["http_options"]["host"] == "127.0.0.1"
 
 
 # -- KubeRay -----------------------------------------------------------------------------------
@@ -252,15 +265,15 @@ def test_rayservice_gateway_group_holds_the_gateways_with_keys():
     assert group["replicas"] == group["minReplicas"] == gateway["num_replicas"]
 
     # The API keys file the app reads is the Secret of secret.example.yaml, mounted.
-    secret = only(documents(KUBERAY / "secret.example.yaml"), "Secret")
+    keys = secret("coxswain-api-keys")
     (volume,) = [
         v for v in group["template"]["spec"]["volumes"] if "secret" in v and v["name"] == "api-keys"
     ]
-    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    assert volume["secret"]["secretName"] == keys["metadata"]["name"]
     assert volume["secret"].get("optional", False) is False  # no Secret, no pod: never keyless
     keys_file = Path(app_of(config)["args"]["api_keys_file"])
     assert keys_file.parent == Path(mount_for(group, "api-keys"))
-    assert keys_file.name in secret["stringData"]
+    assert keys_file.name in keys["stringData"]
     env = {e["name"]: e.get("value") for e in container(group)["env"]}
     assert env["COXSWAIN_API_KEYS_FILE"] == str(keys_file)
 
@@ -281,12 +294,60 @@ def test_rayservice_wires_models_grpc_and_redis():
     (port,) = grpc["spec"]["ports"]
     named = {p["name"]: p["containerPort"] for p in container(groups()["gateway"])["ports"]}
     assert port["port"] == named[port["targetPort"]] == args.grpc_port
+    # Other pods reach the gRPC servers through Services: they listen on every interface.
+    assert args.bind_host == "0.0.0.0"
 
+
+def expanded_env(c: dict, secrets: dict[str, dict]) -> dict[str, str]:
+    """A container's environment as Kubernetes builds it: values from Secrets, and
+    `$(NAME)` replaced by variables defined earlier in the list."""
+    env: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "valueFrom" in e:
+            ref = e["valueFrom"]["secretKeyRef"]
+            env[e["name"]] = secrets[ref["name"]]["stringData"][ref["key"]]
+        else:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+    return env
+
+
+def test_no_serve_config_holds_the_redis_password(config):
+    # The URL carries the password, so it comes from the environment (a Secret), never
+    # from a config that is checked in or stored in the RayService.
+    assert "redis_url" not in app_of(config)["args"]
+
+
+def test_every_ray_pod_gets_the_redis_url_with_the_secrets_password(monkeypatch):
+    password = "0123456789abcdef" * 3
+    secrets = {"coxswain-redis": {"stringData": {"password": password}}}
     redis = only(documents(KUBERAY / "redis.yaml"), "Service")
-    url = urlparse(args.redis_url)
-    assert url.scheme == "redis"
-    assert url.hostname == redis["metadata"]["name"]
-    assert url.port == redis["spec"]["ports"][0]["port"]
+    spec = rayservice()["spec"]["rayClusterConfig"]
+    pods = {"head": spec["headGroupSpec"], **groups()}
+    for name, group in pods.items():
+        env = expanded_env(container(group), secrets)
+        url = urlparse(env["COXSWAIN_REDIS_URL"])
+        assert (url.scheme, url.password) == ("redis", password), name
+        assert url.hostname == redis["metadata"]["name"]
+        assert url.port == redis["spec"]["ports"][0]["port"]
+        # The app reads it because the embedded Serve config names no redis_url.
+        monkeypatch.setenv("COXSWAIN_REDIS_URL", env["COXSWAIN_REDIS_URL"])
+        args = AppArgs.model_validate(app_of(embedded_config())["args"])
+        assert args.redis_url == env["COXSWAIN_REDIS_URL"]
+
+
+def test_redis_requires_the_password_of_the_secret():
+    redis_secret = secret("coxswain-redis")
+    password = "fedcba9876543210" * 3
+    secrets = {"coxswain-redis": {"stringData": {"password": password}}}
+    dep = only(documents(KUBERAY / "redis.yaml"), "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = expanded_env(c, secrets)
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    assert args[args.index("--requirepass") + 1] == password
+    assert env["REDISCLI_AUTH"] == password  # the readiness probe's redis-cli authenticates
+    refs = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e]
+    assert all(r["name"] == redis_secret["metadata"]["name"] for r in refs)
+    assert all(r["key"] in redis_secret["stringData"] for r in refs)
 
 
 def test_redis_manifest_is_a_persistent_deployment_and_service():
@@ -311,8 +372,7 @@ def test_redis_manifest_is_a_persistent_deployment_and_service():
 
 
 def test_secret_example_cannot_be_applied_unedited():
-    secret = only(documents(KUBERAY / "secret.example.yaml"), "Secret")
-    text = secret["stringData"]["api-keys"]
+    text = secret("coxswain-api-keys")["stringData"]["api-keys"]
     with pytest.raises(InvalidRequestError, match="shorter than 16"):
         ApiKeys.parse(text)
     # With real secrets put in, it is an admin and a read-only key.
