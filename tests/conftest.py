@@ -1,12 +1,27 @@
-"""Shared fixtures: tiny real checkpoints (built once per session) and the HF oracle."""
+"""Shared fixtures: tiny real checkpoints (built once per session) and the HF oracle.
+
+The tests must never touch a Ray cluster the user has running (the README's order is `make
+demo`, which leaves `coxswain up`'s cluster up, then `make test`). `ray.init()` without an
+address attaches to the last `ray start` cluster on the host or to `RAY_ADDRESS`, so every
+test starts its own Ray with `ray.init(address="local", ...)` (tests/unit/test_isolation.py
+checks each call), and the session drops `RAY_ADDRESS` so that no subprocess a test starts
+(the `coxswain` CLI, a trainer) inherits it. Ray's implicit `ray.init()` on a first `.remote()`
+is switched off for the same reason: a test that forgets to start Ray fails rather than
+attaching to whatever is running.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from services.engine.model.tiny import make_tiny_checkpoint
+
+# At import, before any test module imports ray (Ray reads its auto-connect flag at import).
+os.environ.pop("RAY_ADDRESS", None)
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -97,7 +97,7 @@ def test_rollouts_use_the_synced_weights(path, tmp_path, kw):
     batch, old_logp = trainer._batch(rolled)
     with torch.no_grad():
         logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
-    torch.testing.assert_close(logp[mask], old_logp[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp[mask], old_logp[mask], atol=1e-4, rtol=0)
 
 
 def test_a_lora_quarantine_cannot_take_svd_basis_routing(path, tmp_path):

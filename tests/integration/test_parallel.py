@@ -37,7 +37,8 @@ def _close_dicts(a, b, tol=1e-4):
             continue
         assert set(x) == set(y)
         for k in x:
-            assert math.isclose(x[k], y[k], abs_tol=tol), (k, x[k], y[k])
+            # read-outs reach ~150, where float32's own spacing is ~1e-5: relative there too
+            assert math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=tol), (k, x[k], y[k])
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
@@ -57,7 +58,7 @@ def test_parallel_replica_matches_one_process(checkpoint, reference, tp, pp):
         if r["captures"]:
             assert set(g["captures"]) == set(r["captures"])
             for key, t in r["captures"].items():
-                torch.testing.assert_close(g["captures"][key], t, atol=1e-4, rtol=0)
+                torch.testing.assert_close(g["captures"][key], t, atol=1e-4, rtol=1e-5)
     # the batch really exercised what it claims to
     steered, plain = reference[1]["samples"][0][1], reference[0]["samples"][0][1]
     assert steered != plain

@@ -91,7 +91,7 @@ def test_alpha_zero_is_a_no_op_and_own_activations_are_the_identity(path, clean_
     outs = _run(_engine(path), {"zero": (CLEAN, _params(zero)), "own": (CLEAN, _params(own))})
     assert _last_logprobs(outs["zero"]) == _last_logprobs(plain)
     for t, v in _last_logprobs(outs["own"]).items():
-        assert v == pytest.approx(_last_logprobs(plain)[t], abs=1e-5)
+        assert v == pytest.approx(_last_logprobs(plain)[t], abs=1e-4)
 
 
 def test_patching_every_position_with_the_clean_run_gives_the_clean_result(path, clean_acts):
@@ -227,7 +227,7 @@ def test_a_captured_run_patches_like_the_inline_vector(path, clean_acts, store):
     from_run = [{"layer": 1, "position": 7, "source": {"run": "clean", "position": 7}}]
     inline = [_patch(1, "post_block", 7, clean_acts[(1, "post_block")][7])]
     outs = _run(engine, {"run": (CORRUPT, _params(from_run)), "vec": (CORRUPT, _params(inline))})
-    assert _last_logprobs(outs["run"]) == pytest.approx(_last_logprobs(outs["vec"]), abs=1e-6)
+    assert _last_logprobs(outs["run"]) == pytest.approx(_last_logprobs(outs["vec"]), abs=1e-4)
     from services.common.errors import RunNotFoundError
 
     missing = [{"layer": 1, "position": 7, "source": {"run": "nope", "position": 7}}]

@@ -161,8 +161,10 @@ def test_vector_formats_agree(path, hidden):
     }
     outs = _run(engine, {k: (prompt, _params(steering={"vectors": v})) for k, v in forms.items()})
     ref = outs["lists"].outputs[0].logprobs
+    # One batch, but each request sits at other rows of the matmuls, which may round differently.
     for k in ("rows", "named"):
-        assert outs[k].outputs[0].logprobs == ref, k
+        for d_ref, d in zip(ref, outs[k].outputs[0].logprobs, strict=True):
+            assert d == pytest.approx(d_ref, abs=1e-4), k
     # packed went through float16: close, not identical
     for d_ref, d in zip(ref, outs["packed"].outputs[0].logprobs, strict=True):
         for t in d_ref:

@@ -81,6 +81,6 @@ def test_engine_logprobs_of_a_trained_adapter_match_the_trainer(path, quarantine
         got = _engine_prompt_logprobs(engine, ids, VARIANTS)
     else:
         got = [_engine_prompt_logprobs(engine, ids, [kw])[0] for kw in VARIANTS]
-    assert got[0] == pytest.approx(trained, abs=1e-5)
-    assert got[1] == pytest.approx(deployed, abs=1e-5)
-    assert got[2] == pytest.approx(base, abs=1e-5)
+    assert got[0] == pytest.approx(trained, abs=1e-4)
+    assert got[1] == pytest.approx(deployed, abs=1e-4)
+    assert got[2] == pytest.approx(base, abs=1e-4)

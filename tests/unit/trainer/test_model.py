@@ -36,7 +36,7 @@ def test_padded_batch_matches_transformers(tiny_checkpoint, arch, side):
         got = model(batch.input_ids, batch.attention_mask).logits
     real = batch.attention_mask.bool()
     assert got.shape == (3, batch.input_ids.shape[1], 512)
-    torch.testing.assert_close(got[real], ref.logits[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[real], ref.logits[real], rtol=0, atol=1e-4)
 
 
 def test_each_padded_row_matches_its_unpadded_eager_run_float64(tiny_checkpoint):
@@ -52,7 +52,7 @@ def test_each_padded_row_matches_its_unpadded_eager_run_float64(tiny_checkpoint)
             with torch.no_grad():
                 ref = hf(torch.tensor([prompt + completion])).logits[0]
             torch.testing.assert_close(
-                got[i][batch.attention_mask[i].bool()], ref, rtol=0, atol=1e-5
+                got[i][batch.attention_mask[i].bool()], ref, rtol=0, atol=1e-4
             )
 
 
@@ -73,7 +73,7 @@ def test_sliding_window_matches_transformers(tiny_checkpoint, tmp_path):
             batch.input_ids, batch.attention_mask
         ).logits
     real = batch.attention_mask.bool()
-    torch.testing.assert_close(got[real], ref.logits[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[real], ref.logits[real], rtol=0, atol=1e-4)
     assert (got[real] - unwindowed[real]).abs().max() > 1e-3  # the window really bit
 
 
@@ -84,7 +84,7 @@ def test_token_logprobs_align_with_inputs_and_loss_mask(tiny_checkpoint):
         lp = model.token_logprobs(batch)
         logits = model(batch.input_ids, batch.attention_mask).logits
     ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    torch.testing.assert_close(lp[:, 1:], ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lp[:, 1:], ref, rtol=0, atol=1e-4)
     assert (lp[:, 0] == 0).all()
     # Row 0 is left-padded by 3: its completion [8, 9] sits at positions 6 and 7.
     assert batch.loss_mask[0].tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
