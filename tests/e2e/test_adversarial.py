@@ -17,7 +17,6 @@ What the cluster keeps through actor deaths is measured by `benchmarks/chaos.py`
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import secrets
@@ -32,7 +31,6 @@ from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from services.common.net import free_port
 from services.proto.coxswain.v1 import (
     controller_pb2,
     engine_pb2,
@@ -40,6 +38,7 @@ from services.proto.coxswain.v1 import (
     steering_pb2,
     sweep_pb2,
 )
+from tests.serving import serve_app_cluster
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -48,7 +47,7 @@ ADMIN_KEY = "adv-admin-" + secrets.token_hex(16)
 READ_KEY = "adv-read-" + secrets.token_hex(16)
 WRONG_KEY = "adv-wrong-" + secrets.token_hex(16)
 MAX_MODEL_LEN = 64  # bounds what any request here (fuzzed ones included) can cost
-BODY_LIMIT = 2**20  # the gateway's body cap, when the app lets us configure it
+BODY_LIMIT = 2**20  # the gateway's body cap (max_body_bytes), small to keep the test cheap
 H = 64  # the tiny llama's hidden size
 LAYERS = 2
 
@@ -140,69 +139,29 @@ def _declared_admin_methods() -> set[str]:
 # -- the cluster --------------------------------------------------------------------------------
 
 
-def _redis_server() -> Any:
-    """A RedisServer, with a password when this version of it takes one."""
-    from services.controller.redis_server import RedisServer
-
-    if "password" in inspect.signature(RedisServer).parameters:
-        return RedisServer(password=secrets.token_hex(16))
-    return RedisServer()
-
-
-def _body_limit_arg() -> dict[str, int]:
-    """`{<AppArgs' body-size field>: BODY_LIMIT}` when the app has such a field."""
-    from services.gateway.serve_app import AppArgs
-
-    fields = [f for f in AppArgs.model_fields if "body" in f and "byte" in f]
-    return {fields[0]: BODY_LIMIT} if fields else {}
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory) -> Iterator[dict[str, Any]]:
     from services.gateway import serve_app
-    from services.gateway.serve_app import build_app
 
     keys = tmp_path_factory.mktemp("adv-keys") / "api_keys"
     keys.write_text(f"admin:admin:{ADMIN_KEY}\nreader:read:{READ_KEY}\n")
     keys.chmod(0o600)
-    redis = _redis_server().start()
-    try:
-        ray.init(
-            address="local",
-            num_cpus=4,
-            include_dashboard=False,
-            namespace="coxswain",
-            log_to_driver=False,
-        )
-        http_port, grpc_port, controller_port = free_port(), free_port(), free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        args = {
-            "model": str(tiny_checkpoint("llama")),
-            "api_keys_file": str(keys),
-            "redis_url": redis.url,
-            "grpc_port": grpc_port,
-            "controller_grpc_port": controller_port,
-            "patch_store_budget_gb": 0.0625,
-            "device": "cpu",
-            "dtype": "float32",
-            "engine": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16},
-            "engine_replicas": 1,
-            **_body_limit_arg(),
-        }
-        serve.run(build_app(args), name="coxswain", route_prefix="/")
+    with serve_app_cluster(
+        str(tiny_checkpoint("llama")),
+        str(keys),
+        redis_password=secrets.token_hex(16),  # as `coxswain up` starts it
+        engine={"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16},
+        max_body_bytes=BODY_LIMIT,
+    ) as app:
         store = ray.get_actor(serve_app.PATCH_STORE_ACTOR, namespace="coxswain")
         controller = ray.get_actor(serve_app.CONTROLLER_ACTOR, namespace="coxswain")
         yield {
-            "http": f"http://127.0.0.1:{http_port}",
-            "engine": f"127.0.0.1:{grpc_port}",
+            "http": app["http"],
+            "engine": app["grpc"],
             "controller": ray.get(controller.grpc_address.remote(), timeout=60),
             "patch_store": ray.get(store.address.remote(), timeout=60),
-            "body_limit": BODY_LIMIT if _body_limit_arg() else None,
+            "body_limit": BODY_LIMIT,
         }
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        redis.close()
 
 
 def _client(cluster: dict, key: str | None) -> httpx.Client:
@@ -577,15 +536,8 @@ def test_every_bad_http_input_is_a_clean_4xx(cluster, admin):
     assert not failures, f"{len(failures)} of {len(HTTP_CORPUS)}:\n" + "\n".join(failures)
 
 
-def _default_body_limit() -> int:
-    """The gateway's default body cap (16 MiB when it declares none: it must have one)."""
-    from services.gateway import http_auth
-
-    return getattr(http_auth, "DEFAULT_MAX_BODY_BYTES", 16 * 2**20)
-
-
 def test_oversized_bodies_are_refused_before_they_are_read(cluster, admin):
-    limit = cluster["body_limit"] or _default_body_limit()
+    limit = cluster["body_limit"]
     body = {"prompt": "x" * (limit + 3 * 2**20), "max_tokens": 1}
     data = json.dumps(body).encode()
     r = admin.post("/v1/completions", content=data, headers={"Content-Type": "application/json"})
@@ -599,7 +551,7 @@ def test_oversized_bodies_are_refused_before_they_are_read(cluster, admin):
 def test_a_prompt_of_many_megabytes_under_the_body_cap_is_a_400(cluster, admin):
     """A prompt string whose body fits the cap but whose bytes exceed the prompt bound is
     refused before it is tokenised, never a 5xx (at most 4 MB here)."""
-    size = min(cluster["body_limit"] or _default_body_limit(), 4 * 2**20) - 4096
+    size = min(cluster["body_limit"], 4 * 2**20) - 4096
     r = admin.post("/v1/completions", json={"prompt": "ab " * (size // 3), "max_tokens": 1})
     assert r.status_code in (400, 413), r.text[:300]
     assert not _problems_with_error_body(r)

@@ -12,7 +12,7 @@ import re
 import httpx
 import pytest
 
-from services.common.net import free_port
+from tests.serving import serve_app_cluster
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -26,33 +26,12 @@ UNKNOWN_VECTOR = {"vectors": [{"layers": [0], "vector": "no-such-vector"}]}
 
 @pytest.fixture(scope="module")
 def app(tiny_checkpoint, tmp_path_factory):
-    from services.controller.redis_server import RedisServer
-    from services.gateway.serve_app import build_app
-
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(f"{ADMIN}\n")
-    with RedisServer() as redis_server:
-        ray.init(
-            address="local", num_cpus=4, include_dashboard=False, namespace="coxswain",
-            log_to_driver=False,
-        )  # fmt: skip
-        http_port, grpc_port = free_port(), free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        args = {
-            "model": str(tiny_checkpoint("llama")),
-            "api_keys_file": str(keys),
-            "grpc_port": grpc_port,
-            "controller_grpc_port": None,
-            "redis_url": redis_server.url,
-            "patch_store_budget_gb": 0.0625,
-            "engine_replicas": 1,
-            "device": "cpu",
-            "dtype": "float32",
-        }
-        serve.run(build_app(args), name="coxswain", route_prefix="/")
-        yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
-        serve.shutdown()
-        ray.shutdown()
+    with serve_app_cluster(
+        str(tiny_checkpoint("llama")), str(keys), controller_grpc_port=None
+    ) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

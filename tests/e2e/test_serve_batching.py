@@ -8,10 +8,11 @@ them. The deployments are sized from the engine's capacity, so all 20 run in one
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
+
+from tests.serving import serve_app_cluster
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -21,40 +22,14 @@ KEY = ADMIN.split(":")[2]
 CONCURRENT = 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(tiny_checkpoint, tmp_path_factory):
-    from services.controller.redis_server import RedisServer
-    from services.gateway.serve_app import build_app
-
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(f"{ADMIN}\n")
-    with RedisServer() as redis_server:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        try:
-            port = _free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            args = {
-                "model": str(tiny_checkpoint("llama")),
-                "api_keys_file": str(keys),
-                "grpc_port": None,
-                "controller_grpc_port": None,
-                "redis_url": redis_server.url,
-                "patch_store_budget_gb": 0.0625,
-                "engine_replicas": 1,
-                "device": "cpu",
-                "dtype": "float32",
-            }
-            serve.run(build_app(args), name="coxswain", route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    with serve_app_cluster(
+        str(tiny_checkpoint("llama")), str(keys), grpc_port=None, controller_grpc_port=None
+    ) as cluster:
+        yield cluster["http"]
 
 
 def test_twenty_concurrent_requests_run_in_one_batch(url):
