@@ -23,7 +23,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.common.auth import ApiKeys
 from services.common.errors import NotFoundError
-from services.engine.interventions.spec import SteeringSpec
 from services.engine.service import EngineService
 from services.gateway.coxswain_api import (
     ErrorBody,
@@ -53,6 +52,7 @@ from services.gateway.openai_api import (
     GenerationRequest,
     ModelList,
     Renderer,
+    StrictSteering,
     chat_messages,
     check_texts,
     prompts_of,
@@ -228,7 +228,7 @@ def build_app(
         "both) from the next engine step on, replacing any global steering. Checked now; "
         "returns the steering state, whose `global_spec` is this spec.",
     )
-    async def set_steering(body: SteeringSpec) -> dict:
+    async def set_steering(body: StrictSteering) -> dict:
         check_texts(body.model_dump())  # as every other body is: no lone surrogates
         return await backend.set_global_steering(body)
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WrapValidator, model_validator
 
 from services.common.errors import InvalidRequestError
 from services.common.wire import pack_tensor
@@ -41,6 +41,26 @@ class _Body(BaseModel):
     never coerced; an integer is still a valid float)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+def strict_json(model: type[BaseModel]) -> Any:
+    """`model` as part of a JSON body, validated as strictly as the body's own fields
+    (`"scale": "2"` inside steering is a 400 naming the field). A body's `strict` does not
+    reach nested models, and making the spec models strict themselves would refuse what the
+    engine's Python API rightly takes (tuples, numpy scalars)."""
+
+    def validate(value: Any, handler: Any) -> Any:
+        if isinstance(value, dict):
+            return model.model_validate(value, strict=True)
+        return handler(value)
+
+    return Annotated[model, WrapValidator(validate)]
+
+
+StrictSteering = strict_json(SteeringSpec)
+StrictCapture = strict_json(CaptureSpec)
+StrictPatchEntry = strict_json(PatchEntry)
+StrictReadout = strict_json(Readout)
 
 
 def check_texts(value: Any, where: str = "") -> Any:
@@ -93,18 +113,18 @@ class _GenerationRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Coxswain extras
-    steering: SteeringSpec | None = Field(
+    steering: StrictSteering | None = Field(
         None, description="Per-request steering: vectors, probe-gated edits, abort_when probes."
     )
-    capture: CaptureSpec | None = Field(
+    capture: StrictCapture | None = Field(
         None,
         description="Return pristine residuals (base64-packed, per prompt in `coxswain`), "
         "or write them to the patch store as a run.",
     )
-    patch: list[PatchEntry] | None = Field(
+    patch: list[StrictPatchEntry] | None = Field(
         None, description="Activation patches at prompt positions (stored run, vector, zeros)."
     )
-    readouts: list[Readout] | None = Field(
+    readouts: list[StrictReadout] | None = Field(
         None, description="Probe scores h·probe reported with every generated token."
     )
     logprob_token_ids: list[TokenId] | None = Field(

@@ -676,6 +676,30 @@ def test_openapi_document_describes_the_api(client):
         ),
         ("/v1/vectors/strict", {"value": _vec(1), "overwrite": "true"}, "overwrite"),
         ("/v1/patch_sweep", {"corrupt_prompt": PROMPT, "answer_token": 5, "alpha": "1"}, "alpha"),
+        # nested Coxswain extras are as strict as the body's own fields
+        (
+            "/v1/completions",
+            {
+                "prompt": "x",
+                "steering": {"vectors": [{"layers": [0], "vector": _vec(1), "scale": "2"}]},
+            },
+            "steering.vectors.0.scale",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "readouts": [{"probe": "p", "layer": "0"}]},
+            "readouts.0.layer",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "patch": [{"layer": 0, "position": "1", "source": {"zeros": True}}]},
+            "patch.0.position",
+        ),
+        (
+            "/v1/steering/set",
+            {"vectors": [{"layers": ["0"], "vector": _vec(1)}]},
+            "vectors.0.layers.0",
+        ),
     ],
 )
 def test_string_typed_numbers_and_booleans_are_a_400_naming_the_field(client, route, body, field):
