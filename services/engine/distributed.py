@@ -230,7 +230,7 @@ def launch_local(
                 p.terminate()
     if status != "ok":
         raise RuntimeError(f"the replica's driver failed:\n{value}")
-    return value
+    return pickle.loads(value)
 
 
 def _local_rank(
@@ -257,7 +257,10 @@ def _local_rank(
             run_worker(engine)
             return
         try:
-            results.put(("ok", driver_fn(engine)))
+            # Plain pickle bytes, not tensors: torch's queue would share a tensor's memory
+            # through a file descriptor this process serves, and it may have exited before
+            # the parent unpickles (FileNotFoundError on the parent's side).
+            results.put(("ok", pickle.dumps(driver_fn(engine))))
         except BaseException:
             results.put(("error", traceback.format_exc()))
         finally:
