@@ -2,8 +2,9 @@
 
 The runner describes a step once (`StepAttentionInputs`); the backend turns that into
 whatever per-step indices it needs (`prepare`, once per step) and every layer then calls
-`forward` with its own q/k/v and KV cache. A fused GPU kernel plugs in here later without
-touching the model.
+`forward` with its own q/k/v and KV cache. Two backends: `TritonBackend` (CUDA: kernels
+that read the paged cache in place, capturable in a CUDA graph for decode) and
+`SdpaBackend` (CPU, and the reference path: keys gathered into dense tensors for SDPA).
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ import torch.nn.functional as F
 class StepAttentionInputs:
     """The attention-relevant part of one step batch (all tensors on the model's device)."""
 
-    slot_mapping: torch.Tensor  # [T] flat KV slot each new token's K/V is written to
-    query_start_loc: torch.Tensor  # [R+1] token offsets of each request in the batch
-    seq_lens: torch.Tensor  # [R] context length of each request after this step
-    block_tables: torch.Tensor  # [R, max_blocks] KV block ids (padding: 0)
+    slot_mapping: torch.Tensor  # [T] int64 flat KV slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # [R+1] int32 token offsets of each request in the batch
+    seq_lens: torch.Tensor  # [R] int32 context length of each request after this step
+    block_tables: torch.Tensor  # [R, max_blocks] int32 KV block ids (padding: arbitrary)
     block_size: int
     # The same two on the host, so backends can plan without a device sync.
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    max_query_len: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request computes one token: the decode kernel (and a CUDA graph) applies."""
+        return self.max_query_len == 1
 
 
 class AttentionBackend(ABC):
@@ -108,7 +115,7 @@ class SdpaBackend(AttentionBackend):
         if not fresh:
             key_pos = torch.arange(s, device=device)
             block_idx = key_pos // inputs.block_size
-            tables = inputs.block_tables[as_tensor(reqs)][:, block_idx]  # [Rg, S]
+            tables = inputs.block_tables.long()[as_tensor(reqs)][:, block_idx]  # [Rg, S]
             gather = tables * inputs.block_size + key_pos % inputs.block_size
         lens = as_tensor([seq_lens[r] for r in reqs])
         valid = (torch.arange(s, device=device)[None, :] < lens[:, None])[:, None, None, :]
@@ -171,3 +178,43 @@ class SdpaBackend(AttentionBackend):
             )  # [Rg, Hq, Lq, D]
             out[g.rows] = o.transpose(1, 2).reshape(r * lq, hq, d)[g.token_dest]
         return out
+
+
+class TritonBackend(AttentionBackend):
+    """Triton kernels over the paged cache in place (`kernels/paged_attention.py`).
+
+    A decode step (one query per request) runs the split-K decode kernel, which reads only
+    device tensors, so the step can be captured in a CUDA graph; any other step runs the
+    varlen prefill kernel, in which each chunk attends its cached context plus itself.
+    Padding rows of a graph batch have `seq_len == 0` (output zeros) and write their K/V
+    to a scratch slot the block manager never hands out.
+    """
+
+    def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs:
+        return inputs
+
+    def forward(self, q, k, v, kv_cache, meta: StepAttentionInputs, scale, sliding_window):
+        from services.engine.kernels.paged_attention import (
+            paged_decode_attention,
+            paged_prefill_attention,
+        )
+
+        k_cache, v_cache = kv_cache
+        hkv, d = k_cache.shape[-2:]
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if meta.is_decode:
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
+            )
+        return paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_query_len,
+            scale,
+            sliding_window,
+        )

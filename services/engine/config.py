@@ -41,6 +41,14 @@ class EngineConfig:
     adapter_capacity: int = 0
     adapter_rank: int = 8
     adapter_targets: tuple[str, ...] = ("*.o_proj", "*.down_proj")
+    # The GPU fast path: decode steps replay CUDA graphs captured at start for batch-size
+    # buckets up to max_num_seqs (`enforce_eager` turns them off: every step runs eagerly).
+    # `attention_backend`: "auto" (Triton on CUDA, SDPA on CPU), "triton" or "sdpa".
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    # Overlap host work with the device: schedule and launch step N+1 before accepting step
+    # N's tokens (only while no request intervenes; see LLMEngine.step).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -55,5 +63,9 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.attention_backend not in ("auto", "triton", "sdpa"):
+            raise InvalidRequestError(
+                f"attention_backend must be auto, triton or sdpa, got {self.attention_backend!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]")

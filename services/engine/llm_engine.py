@@ -34,12 +34,16 @@ from services.engine.interventions.vectors import VectorRegistry
 from services.engine.kv.block_manager import BlockManager
 from services.engine.model.config import load_model_config
 from services.engine.model.tokenizer import Tokenizer
-from services.engine.model_runner import ModelRunner, resolve_device_dtype
+from services.engine.model_runner import (
+    ModelRunner,
+    make_attention_backend,
+    resolve_device_dtype,
+)
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.parallel import SINGLE_PROCESS, ParallelContext
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import RequestGroup, Sequence
+from services.engine.sequence import PLACEHOLDER, RequestGroup, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,12 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.model_config.max_position_embeddings}"
+            )
         self.runner = ModelRunner(
             self.model_dir,
             self.model_config,
@@ -77,14 +87,12 @@ class LLMEngine:
             self.dtype,
             cfg.block_size,
             ctx,
+            backend=make_attention_backend(cfg.attention_backend, self.device),
             seed=cfg.seed,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
         )
-        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise InvalidRequestError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={self.model_config.max_position_embeddings}"
-            )
         num_blocks = self._num_kv_blocks()
         if sync is not None:  # stages hold different layer counts: all must agree on blocks
             num_blocks = sync.min_over_ranks(num_blocks)
@@ -95,7 +103,10 @@ class LLMEngine:
                 self.max_model_len,
             )
             self.max_model_len = num_blocks * cfg.block_size
+        self.runner.max_model_len = self.max_model_len
         self.runner.allocate_kv_cache(num_blocks)
+        if not cfg.enforce_eager and self.runner.can_use_graphs():
+            self.runner.capture_decode_graphs()
         self.adapters: AdapterBank | None = None
         if cfg.adapter_capacity > 0:
             self.adapters = AdapterBank(cfg.adapter_capacity, cfg.adapter_rank, cfg.adapter_targets)
@@ -126,6 +137,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, RequestGroup] = {}
+        # The step launched by the last call, when steps overlap: (schedule, PendingStep).
+        self._in_flight: tuple[Any, Any] | None = None
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
@@ -307,31 +320,91 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the (cumulative) output of every request it advanced."""
+        """Run one engine step; return the output of every request it advanced.
+
+        When nothing intervenes (and the replica is one process), steps overlap as in
+        vLLM's async scheduling: the step launched here runs on the device while the host
+        accepts the tokens of the step the previous call launched (sampled tokens a step
+        still computes are placeholders the next step reads on the device). A call that
+        finds nothing to schedule drains the step in flight.
+        """
         if self.sync is None:
             self.interventions.apply_actions()  # issued during the previous step: apply now
         else:
             with self.sync.lock:
                 self.interventions.apply_actions(self.sync.exchange(self))
+        overlap = self._can_overlap()
+        outputs: list[RequestOutput] = []
+        if not overlap:
+            outputs += self._drain()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return outputs + self._drain()
         plan = self.interventions.plan(sched)
         if self.adapters is not None:
             self._plan_adapters(sched)
+        adapted = self.adapters is not None and self.adapters.step_rows is not None
         try:
-            result = self.runner.execute(sched, plan)
+            pending = self.runner.launch(sched.requests(), plan, eager=adapted)
         finally:
             if self.adapters is not None:
                 self.adapters.end_step()
+        self.num_steps += 1
+        if overlap and plan is None:
+            self.scheduler.advance(sched)
+            self._hold_places(sched)
+            previous, self._in_flight = self._in_flight, (sched, pending)
+            if previous is not None:
+                outputs += self._accept(previous[0], previous[1].result(), None)
+            return outputs
+        result = pending.result()
         if self.sync is not None:
             result = self.sync.finish_step(self, result, plan)
         report = self.interventions.after_forward(sched, plan) if plan is not None else None
-        self.scheduler.update(sched)
-        self.num_steps += 1
+        self.scheduler.advance(sched)
+        return outputs + self._accept(sched, result, report)
+
+    def _can_overlap(self) -> bool:
+        """Overlap needs a one-process replica with no interventions and no adapters in use:
+        those read each step's results on the host before the next step may be planned."""
+        return (
+            self.config.async_scheduling
+            and self.sync is None
+            and (self.adapters is None or not self.adapters.loaded)
+            and self.interventions.idle()
+        )
+
+    def _drain(self) -> list[RequestOutput]:
+        """Accept the tokens of the step in flight, if any."""
+        if self._in_flight is None:
+            return []
+        (sched, pending), self._in_flight = self._in_flight, None
+        return self._accept(sched, pending.result(), None)
+
+    def _hold_places(self, sched: Any) -> None:
+        """Give each sampling sequence of a launched step a placeholder for its new token, so
+        the next step can be scheduled now; mark those the token will end by length."""
+        for s in sched.scheduled:
+            if not s.samples:
+                continue
+            seq = s.seq
+            seq.token_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
+            max_tokens = seq.group.params.max_tokens
+            if seq.num_tokens >= self.max_model_len or (
+                max_tokens is not None and seq.num_generated + seq.num_pending >= max_tokens
+            ):
+                seq.final_pending = True
+
+    def _accept(self, sched: Any, result: Any, report: Any) -> list[RequestOutput]:
+        """Take a finished step's tokens into its sequences; outputs of the requests it
+        advanced."""
+        self.scheduler.publish(sched)
         touched: dict[str, RequestGroup] = {}
         for i, s in enumerate(sched.scheduled):
             seq, group = s.seq, s.seq.group
+            if seq.is_finished:  # aborted, or stopped while this step was in flight
+                continue
             if result.prompt_logprobs[i] is not None:
                 _, dicts = result.prompt_logprobs[i]
                 group.prompt_logprobs.extend(dicts)
@@ -356,7 +429,7 @@ class LLMEngine:
         for rid, group in touched.items():
             outputs.append(self._output(group))
             if group.is_finished:
-                del self.requests[rid]
+                self.requests.pop(rid, None)
                 self.interventions.release(group)
         return outputs
 
@@ -372,7 +445,11 @@ class LLMEngine:
         logprobs: dict[int, float] | None,
         readouts: dict[str, float] | None = None,
     ) -> None:
-        seq.token_ids.append(token)
+        if seq.num_pending:  # an overlapped step: the token takes its placeholder's place
+            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            seq.num_pending -= 1
+        else:
+            seq.token_ids.append(token)
         self.num_generated_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs or {})
@@ -385,10 +462,13 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", token)
         elif params.stop and self._check_stop_strings(seq, prev_len):
             pass
-        elif seq.num_tokens >= self.max_model_len or (
+        elif seq.num_tokens - seq.num_pending >= self.max_model_len or (
             params.max_tokens is not None and seq.num_generated >= params.max_tokens
         ):
             self.scheduler.finish(seq, "length")
+        if seq.is_finished and seq.num_pending:  # a token computed past the end: drop it
+            del seq.token_ids[-seq.num_pending :]
+            seq.num_pending = 0
 
     def _decode_increment(self, seq: Sequence) -> str:
         """The text the newest token adds, decoding only a short window of recent tokens.
@@ -398,7 +478,7 @@ class LLMEngine:
         mid-character: then nothing is emitted until the character completes.
         """
         skip = seq.group.params.skip_special_tokens
-        ids = seq.token_ids
+        ids = seq.token_ids[: len(seq.token_ids) - seq.num_pending]
         prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip)
         full = self.tokenizer.decode(ids[seq.prefix_offset :], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -500,5 +580,7 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_hits,
             "num_generated_tokens": self.num_generated_tokens,
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "num_graph_steps": self.runner.num_graph_steps,
+            "num_eager_steps": self.runner.num_eager_steps,
             "config": asdict(self.config),
         }

@@ -1,25 +1,43 @@
 """Builds each step's flat token batch, runs the model over the paged KV cache, samples.
 
-The runner never sees scheduling policy: it receives a `SchedulerOutput` and returns
-tokens and logprobs. All device and dtype decisions of the engine live here.
+The runner never sees scheduling policy or live request state: it receives the step's
+`StepRequest`s (plain data) and returns tokens and logprobs. All device and dtype
+decisions of the engine live here.
+
+The hot path, as in nano-vllm's and vLLM v1's runners:
+- one `StepBatch` per step, built in a single pass into persistent pinned host buffers and
+  copied to persistent device buffers in one transfer;
+- decode steps (one token per request) replay a CUDA graph captured at start for the
+  smallest batch-size bucket that fits, padded with rows that read and write nothing;
+- prefill and mixed steps, and steps that carry interventions, run eagerly.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from services.engine.attention import AttentionBackend, SdpaBackend, StepAttentionInputs
+from services.engine.attention import (
+    AttentionBackend,
+    SdpaBackend,
+    StepAttentionInputs,
+    TritonBackend,
+)
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaFamilyForCausalLM
 from services.engine.model.loader import load_weights
 from services.engine.parallel import ParallelContext
-from services.engine.sampler import prompt_logprobs, sample
-from services.engine.scheduler import SchedulerOutput
+from services.engine.sampler import SampledBatch, SamplingMetadata, prompt_logprobs, sample
+from services.engine.scheduler import StepRequest
+from services.engine.sequence import PLACEHOLDER
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +58,17 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, DTYPES[dtype]
 
 
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`name` "auto" picks the Triton kernels on CUDA and SDPA on CPU."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "sdpa"
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device")
+        return TritonBackend()
+    return SdpaBackend()
+
+
 @dataclass
 class StepResult:
     """Per scheduled sequence: the sampled token (or None) and its logprob dict, plus prompt
@@ -48,6 +77,140 @@ class StepResult:
     sampled: list[int | None]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: list[tuple[int, list[dict[int, float]]] | None]
+
+
+class PendingStep:
+    """A launched step: its sampled tokens are computed (or being computed) on the device
+    and copied to a pinned host buffer behind them; `result()` waits for that copy only."""
+
+    def __init__(self, num_seqs: int, sample_rows: list[int]):
+        self.num_seqs = num_seqs
+        self.sample_rows = sample_rows  # index in the step's requests of each sampled row
+        self.sampled: SampledBatch | None = None
+        self.host: torch.Tensor | None = None  # pinned copy of sampled.packed()
+        self.copied: torch.cuda.Event | None = None
+        self.prompt_logprobs: list[tuple[int, list[dict[int, float]]] | None] = [None] * num_seqs
+
+    def result(self) -> StepResult:
+        n = self.num_seqs
+        result = StepResult([None] * n, [None] * n, self.prompt_logprobs)
+        if self.sampled is None:
+            return result
+        if self.copied is not None:
+            self.copied.synchronize()
+        assert self.host is not None
+        out = self.sampled.unpack(self.host.tolist())
+        for j, i in enumerate(self.sample_rows):
+            result.sampled[i] = out.token_ids[j]
+            result.logprobs[i] = out.logprobs[j]
+        return result
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch-size buckets a CUDA graph is captured for: 1, 2, 4, 8, then every 8."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += range(16, max_num_seqs, 8)
+    return [*sizes, max_num_seqs]
+
+
+class StepBatch:
+    """The flat inputs of one step, in persistent buffers reused by every step.
+
+    A pinned host buffer holds every field at a fixed offset (the block table last, so a
+    step copies only the rows it uses); one device buffer mirrors it. Fields are typed
+    views of the same bytes, so building a step writes numpy arrays and uploading it is a
+    single `copy_`. A CUDA graph captured over the device views sees each step's values.
+
+    On CUDA there are two host buffers, used in turn: with overlapped steps the host builds
+    step N+1 while step N's upload may still wait in the stream, so a buffer is rewritten
+    only after its previous upload has run (an event per buffer).
+    """
+
+    FIELDS = (  # name, dtype, length in units of (tokens, sequences)
+        ("input_ids", torch.int64, (1, 0)),
+        ("positions", torch.int64, (1, 0)),
+        ("slot_mapping", torch.int64, (1, 0)),
+        ("prev_rows", torch.int64, (1, 0)),  # placeholder tokens: row in the last sampled
+        ("logits_rows", torch.int64, (0, 1)),
+        ("query_start_loc", torch.int32, (0, 1)),  # plus one
+        ("seq_lens", torch.int32, (0, 1)),
+        ("block_tables", torch.int32, (0, 1)),  # times max_blocks
+    )
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.device = device
+        self.spans, offset = {}, 0
+        for name, dtype, (per_token, per_seq) in self.FIELDS:
+            n = per_token * max_tokens + per_seq * max_seqs
+            n += name == "query_start_loc"
+            n *= max_blocks if name == "block_tables" else 1
+            self.spans[name] = (offset, n, dtype)
+            offset += -(-n * dtype.itemsize // 8) * 8  # keep every field 8-byte aligned
+        self.nbytes = offset
+        self.on_cuda = device.type == "cuda"
+        self._hosts = [
+            torch.zeros(offset, dtype=torch.uint8, pin_memory=self.on_cuda)
+            for _ in range(2 if self.on_cuda else 1)
+        ]
+        self._uploaded: list[torch.cuda.Event | None] = [None] * len(self._hosts)
+        self._turn = 0
+        self.dev_bytes = (
+            torch.zeros(offset, dtype=torch.uint8, device=device)
+            if self.on_cuda
+            else self._hosts[0]
+        )
+        self.dev = {k: self._view(self.dev_bytes, *v) for k, v in self.spans.items()}
+        self._select(0)
+
+    @staticmethod
+    def _view(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return buf[offset : offset + n * dtype.itemsize].view(dtype)
+
+    def _select(self, turn: int) -> None:
+        self._turn = turn
+        host = self._hosts[turn]
+        self.np = {k: self._view(host, *v).numpy() for k, v in self.spans.items()}
+        self.np_tables = self.np["block_tables"].reshape(self.max_seqs, self.max_blocks)
+
+    def begin(self) -> None:
+        """Take the next host buffer for writing, once its last upload has run."""
+        turn = (self._turn + 1) % len(self._hosts)
+        if self._uploaded[turn] is not None:
+            self._uploaded[turn].synchronize()
+        self._select(turn)
+
+    def upload(self, num_seqs: int) -> None:
+        """Copy the fields and the first `num_seqs` block-table rows to the device."""
+        if not self.on_cuda:
+            return
+        end = self.spans["block_tables"][0] + num_seqs * self.max_blocks * 4
+        self.dev_bytes[:end].copy_(self._hosts[self._turn][:end], non_blocking=True)
+        event = self._uploaded[self._turn] = torch.cuda.Event()
+        event.record()
+
+    def attention_inputs(
+        self, num_tokens: int, num_seqs: int, block_size: int, qsl: list[int], lens: list[int]
+    ) -> StepAttentionInputs:
+        d = self.dev
+        return StepAttentionInputs(
+            slot_mapping=d["slot_mapping"][:num_tokens],
+            query_start_loc=d["query_start_loc"][: num_seqs + 1],
+            seq_lens=d["seq_lens"][:num_seqs],
+            block_tables=d["block_tables"][: num_seqs * self.max_blocks].view(
+                num_seqs, self.max_blocks
+            ),
+            block_size=block_size,
+            query_start_loc_host=qsl,
+            seq_lens_host=lens,
+            max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
+        )
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, V] float32, written by each replay
 
 
 class ModelRunner:
@@ -61,13 +224,21 @@ class ModelRunner:
         ctx: ParallelContext,
         backend: AttentionBackend | None = None,
         seed: int = 0,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
     ):
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.backend = backend or SdpaBackend()
+        if backend is None:
+            backend = TritonBackend() if device.type == "cuda" else SdpaBackend()
+        self.backend = backend
         self.ctx = ctx
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -80,6 +251,16 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.batch: StepBatch | None = None
+        self.scratch_slot = 0
+        self.graphs: dict[int, _Graph] = {}
+        self.graph_sizes: list[int] = []
+        self.num_graph_steps = 0  # steps that replayed a CUDA graph
+        self.num_eager_steps = 0
+        # The last launched step's sampled tokens (device) and each sequence's row in them.
+        self._prev_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
+        # Pinned host buffers for the copy back, per dtype, two of each used in turn.
+        self._copy_buffers: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def kv_bytes_per_block(self) -> int:
         layers = len(self.model.attention_layers())
@@ -88,95 +269,235 @@ class ModelRunner:
         return per_token * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """`num_blocks` for the block manager, plus one scratch block that padding rows of a
+        graph batch write to."""
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape = (num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.kv_cache = (k, v)
             self.kv_caches.append((k, v))
+        self.scratch_slot = num_blocks * self.block_size
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.batch = StepBatch(
+            self.max_num_batched_tokens, self.max_num_seqs, max_blocks, self.device
+        )
 
-    def _tensor(self, data: list[int]) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+    # -- the step batch -------------------------------------------------------------------
+
+    def _build(
+        self, reqs: list[StepRequest], pad_to: int
+    ) -> tuple[int, list[int], list[int], bool]:
+        """Write the step into the host buffers in one pass and upload it; returns (number of
+        tokens, query start offsets, context lengths, whether placeholders need filling).
+        Rows past `len(reqs)` up to `pad_to` are padding: one token each that reads nothing
+        and writes the scratch slot."""
+        sb = self.batch
+        assert sb is not None, "allocate_kv_cache must run before the first step"
+        sb.begin()
+        np_, bs = sb.np, self.block_size
+        r = len(reqs)
+        q_lens = np.fromiter((q.num_tokens for q in reqs), np.int64, r)
+        starts = np.fromiter((q.start for q in reqs), np.int64, r)
+        qsl = np.zeros(r + 1, np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        t = int(qsl[-1])
+        tables = sb.np_tables
+        for i, q in enumerate(reqs):
+            tables[i, : len(q.block_ids)] = q.block_ids
+        ids = np_["input_ids"][:t]
+        ids[:] = [tok for q in reqs for tok in q.token_ids]
+        fills = bool((ids == PLACEHOLDER).any())
+        if fills:  # each placeholder's row in the previous step's sampled tokens
+            prev_rows = self._prev_sampled[1] if self._prev_sampled else {}
+            marks = np_["prev_rows"][:t]
+            marks[:] = -1
+            for i, q in enumerate(reqs):
+                for j, tok in enumerate(q.token_ids):
+                    if tok == PLACEHOLDER:
+                        marks[qsl[i] + j] = prev_rows[q.seq_id]
+            ids[ids == PLACEHOLDER] = 0
+        req_of_token = np.repeat(np.arange(r), q_lens)
+        positions = np.arange(t) - np.repeat(qsl[:-1] - starts, q_lens)
+        np_["positions"][:t] = positions
+        np_["slot_mapping"][:t] = tables[req_of_token, positions // bs] * bs + positions % bs
+        seq_lens = starts + q_lens
+        np_["seq_lens"][:r] = seq_lens
+        np_["query_start_loc"][: r + 1] = qsl
+        np_["logits_rows"][:r] = qsl[1:] - 1
+        if pad_to > r:  # graph padding rows (decode: one token per row)
+            np_["input_ids"][t:pad_to] = 0
+            np_["positions"][t:pad_to] = 0
+            np_["slot_mapping"][t:pad_to] = self.scratch_slot
+            np_["seq_lens"][r:pad_to] = 0
+            np_["query_start_loc"][r + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
+        sb.upload(max(r, pad_to))
+        return t, qsl.tolist(), seq_lens.tolist(), fills
+
+    # -- CUDA graphs ----------------------------------------------------------------------
+
+    def can_use_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.ctx.world_size == 1
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, interventions: Any = None) -> StepResult:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []  # index in `sched.scheduled` of each sampling seq
-        logits_rows: list[int] = []  # token row of each sampling seq
-        prompt_spans: list[tuple[int, int, int, int]] = []  # (seq idx, first pos, row0, count)
-        for idx, s in enumerate(sched.scheduled):
-            seq = s.seq
-            row0 = len(input_ids)
-            input_ids.extend(s.token_ids)
-            for p in range(s.start, s.start + s.num_tokens):
-                positions.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
-            qsl.append(len(input_ids))
-            seq_lens.append(s.start + s.num_tokens)
-            tables.append(seq.block_table)
-            if s.samples:
-                sample_rows.append(idx)
-                logits_rows.append(len(input_ids) - 1)
-            group = seq.group
-            if group.prompt_logprobs is not None and seq.index == 0:
-                # Position p's logits score prompt token p+1; record only positions not yet seen.
-                first = max(s.start, len(group.prompt_logprobs) - 1)
-                last = min(s.start + s.num_tokens, seq.num_prompt_tokens - 1)
-                if last > first:
-                    prompt_spans.append((idx, first, row0 + first - s.start, last - first))
+    def capture_decode_graphs(self) -> None:
+        """Capture one decode step (embedding → logits, float32) per batch-size bucket.
 
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        attn_inputs = StepAttentionInputs(
-            slot_mapping=self._tensor(slots),
-            query_start_loc=self._tensor(qsl),
-            seq_lens=self._tensor(seq_lens),
-            block_tables=self._tensor([x for row in padded for x in row]).view(len(padded), width),
-            block_size=bs,
-            query_start_loc_host=qsl,
-            seq_lens_host=seq_lens,
+        Buckets are captured largest first into one memory pool, so smaller ones reuse its
+        memory. Logs the time and memory they took."""
+        assert self.batch is not None and self.can_use_graphs()
+        sizes = graph_batch_sizes(self.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        sb = self.batch
+        self._build([], pad_to=sizes[-1])  # every row padding: reads nothing, writes scratch
+        pool = None
+        for size in reversed(sizes):
+            inputs = sb.attention_inputs(size, size, self.block_size, list(range(size + 1)), [0])
+            inputs.max_query_len = 1
+            meta = self.backend.prepare(inputs)
+            ids, pos = sb.dev["input_ids"][:size], sb.dev["positions"][:size]
+            run = lambda: self.model.compute_logits(self.model(pos, meta, input_ids=ids)).float()  # noqa: E731,B023
+            run()  # compiles kernels and settles allocations outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = run()
+            pool = graph.pool()
+            self.graphs[size] = _Graph(graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.graph_sizes = sizes
+        log.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, using %.0f MiB",
+            len(sizes),
+            sizes[0],
+            sizes[-1],
+            time.perf_counter() - t0,
+            (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20,
         )
-        meta = self.backend.prepare(attn_inputs)
+
+    def _graph_for(self, reqs: list[StepRequest], interventions: Any) -> int | None:
+        """The bucket whose graph runs this step, or None to run eagerly."""
+        if not self.graph_sizes or interventions is not None or len(reqs) > self.graph_sizes[-1]:
+            return None
+        if any(q.num_tokens != 1 or q.prompt_logprobs is not None for q in reqs):
+            return None
+        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
+
+    # -- the step -------------------------------------------------------------------------
+
+    def execute(
+        self, reqs: list[StepRequest], interventions: Any = None, eager: bool = False
+    ) -> StepResult:
+        """Run one step and wait for its results."""
+        return self.launch(reqs, interventions, eager).result()
+
+    @torch.inference_mode()
+    def launch(
+        self, reqs: list[StepRequest], interventions: Any = None, eager: bool = False
+    ) -> PendingStep:
+        """Queue one step on the device and start copying its sampled tokens back; the host
+        is free until `PendingStep.result()`. `eager` forces the eager path (adapters).
+
+        A token id of PLACEHOLDER is the token the previous launched step sampled for that
+        sequence; it is filled in on the device, so the next step can be launched before the
+        previous one's tokens reach the host."""
+        n = len(reqs)
+        bucket = None if eager else self._graph_for(reqs, interventions)
+        t, qsl, seq_lens, fills = self._build(reqs, pad_to=bucket or 0)
+        sb = self.batch
+        assert sb is not None
+        if fills:
+            self._fill_placeholders(t)
+        hidden = None
+        sample_rows = [i for i, q in enumerate(reqs) if q.samples]
+        if bucket is not None:
+            self.num_graph_steps += 1
+            entry = self.graphs[bucket]
+            entry.graph.replay()
+            logits = entry.logits[:n]
+            if len(sample_rows) < n:
+                logits = logits[torch.tensor(sample_rows, device=self.device)]
+        else:
+            self.num_eager_steps += 1
+            inputs = sb.attention_inputs(t, n, self.block_size, qsl, seq_lens)
+            hidden = self._forward_eager(inputs, t, interventions)
+            logits = None
+            if hidden is not None and sample_rows:
+                index = sb.dev["logits_rows"][:n]
+                if len(sample_rows) < n:
+                    index = index[torch.tensor(sample_rows, device=self.device)]
+                logits = self.model.compute_logits(hidden[index]).float()
+        pending = PendingStep(n, sample_rows)
+        if hidden is None and bucket is None:  # a pipeline stage before the last
+            return pending
+        if sample_rows:
+            picked = [reqs[i] for i in sample_rows]
+            meta = SamplingMetadata.build(
+                [q.params for q in picked],
+                [q.generator for q in picked],
+                self.device,
+                self.generator,
+            )
+            pending.sampled = sampled = sample(logits, meta)
+            self._copy_back(pending, sampled)
+            self._prev_sampled = (sampled.token_ids, {q.seq_id: j for j, q in enumerate(picked)})
+        for i, q in enumerate(reqs):
+            if q.prompt_logprobs is None or hidden is None:
+                continue
+            first, count, next_ids, k = q.prompt_logprobs
+            row0 = qsl[i] + first - q.start
+            lp_logits = self.model.compute_logits(hidden[row0 : row0 + count])
+            pending.prompt_logprobs[i] = (first, prompt_logprobs(lp_logits, next_ids, k))
+        return pending
+
+    def _copy_back(self, pending: PendingStep, sampled: SampledBatch) -> None:
+        """Start the step's one device→host copy: sampled ids (and requested logprobs) into a
+        pinned buffer, behind the step in the stream. Buffers of each kind alternate, so the
+        copy of step N+1 never overwrites step N's before the host has read it."""
+        packed = sampled.packed()
+        if self.device.type != "cuda":
+            pending.host = packed
+            return
+        kind = self._copy_buffers.setdefault(packed.dtype, [torch.empty(0), torch.empty(0)])
+        kind.reverse()
+        if kind[0].numel() < packed.numel():
+            kind[0] = torch.empty(2 * packed.numel(), dtype=packed.dtype, pin_memory=True)
+        host = kind[0][: packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        pending.host = host
+        pending.copied = torch.cuda.Event()
+        pending.copied.record()
+
+    def _fill_placeholders(self, num_tokens: int) -> None:
+        """input_ids[i] = the previous step's sampled token for rows marked in `prev_rows`."""
+        assert self._prev_sampled is not None, "a placeholder token with no step before it"
+        sb = self.batch
+        assert sb is not None
+        ids = sb.dev["input_ids"][:num_tokens]
+        rows = sb.dev["prev_rows"][:num_tokens]
+        prev = self._prev_sampled[0][rows.clamp(min=0)]
+        ids.copy_(torch.where(rows >= 0, prev, ids))
+
+    def _forward_eager(
+        self, inputs: StepAttentionInputs, num_tokens: int, interventions: Any
+    ) -> torch.Tensor | None:
+        sb = self.batch
+        assert sb is not None
         ctx = self.ctx
-        n = len(sched.scheduled)
-        result = StepResult([None] * n, [None] * n, [None] * n)
+        meta = self.backend.prepare(inputs)
         received = None
         if not ctx.is_first_stage:  # the previous stage's residual stream, [T, H]
-            shape = (len(input_ids), self.cfg.hidden_size)
+            shape = (num_tokens, self.cfg.hidden_size)
             received = ctx.recv_from_prev_stage(shape, self.dtype, self.device)
         hidden = self.model(
-            self._tensor(positions),
+            sb.dev["positions"][:num_tokens],
             meta,
-            input_ids=self._tensor(input_ids) if ctx.is_first_stage else None,
+            input_ids=sb.dev["input_ids"][:num_tokens] if ctx.is_first_stage else None,
             hidden_states=received,
             interventions=interventions,
         )
         if not ctx.is_last_stage:  # only the last stage samples
             ctx.send_to_next_stage(hidden)
-            return result
-        if logits_rows:
-            logits = self.model.compute_logits(hidden[self._tensor(logits_rows)]).float()
-            seqs = [sched.scheduled[i].seq for i in sample_rows]
-            out = sample(
-                logits,
-                [q.group.params for q in seqs],
-                [q.generator for q in seqs],
-                self.generator,
-            )
-            for j, i in enumerate(sample_rows):
-                result.sampled[i] = out.token_ids[j]
-                result.logprobs[i] = out.logprobs[j]
-        for idx, first, row0, count in prompt_spans:
-            seq = sched.scheduled[idx].seq
-            logits = self.model.compute_logits(hidden[row0 : row0 + count])
-            next_ids = seq.token_ids[first + 1 : first + 1 + count]
-            k = seq.group.params.prompt_logprobs or 0
-            result.prompt_logprobs[idx] = (first, prompt_logprobs(logits, next_ids, k))
-        return result
+            return None
+        return hidden

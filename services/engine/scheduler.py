@@ -13,13 +13,48 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from services.engine.kv.block_manager import BlockManager
+from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import RequestGroup, SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """What the model runner gets for one scheduled sequence: plain data, no live state.
+
+    As in vLLM's `SchedulerOutput`, the runner never sees a `Sequence`: it reads these
+    fields while building the step batch and nothing after. `block_ids` is the sequence's
+    block table at scheduling time (covering positions < start + num_tokens).
+    """
+
+    seq_id: int
+    token_ids: list[int]  # tokens [start, start + num_tokens)
+    start: int  # positions before it already have KV (num_computed)
+    block_ids: list[int]
+    samples: bool  # the span reaches the last token, so the step samples the next one
+    params: SamplingParams
+    generator: torch.Generator | None  # a seeded request's own generator
+    # Prompt logprobs this step computes: (first position, count, the actual next prompt
+    # tokens, top-k). Position p's logits score prompt token p + 1.
+    prompt_logprobs: tuple[int, int, list[int], int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1
 
 
 @dataclass
 class ScheduledSeq:
-    """One sequence's share of a step: tokens [start, start + num_tokens) get KV computed."""
+    """One sequence's share of a step: tokens [start, start + num_tokens) get KV computed.
+
+    The engine's side of the seam (interventions and bookkeeping read the live sequence);
+    `request()` is the runner's side."""
 
     seq: Sequence
     start: int
@@ -34,6 +69,28 @@ class ScheduledSeq:
     def token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start : self.start + self.num_tokens]
 
+    def request(self) -> StepRequest:
+        seq, start, n = self.seq, self.start, self.num_tokens
+        group = seq.group
+        prompt_lp = None
+        if group.prompt_logprobs is not None and seq.index == 0:
+            # Record only positions not yet scored (a preempted request recomputes).
+            first = max(start, len(group.prompt_logprobs) - 1)
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if last > first:
+                next_ids = seq.token_ids[first + 1 : last + 1]
+                prompt_lp = (first, last - first, next_ids, group.params.prompt_logprobs or 0)
+        return StepRequest(
+            seq.seq_id,
+            seq.token_ids[start : start + n],
+            start,
+            seq.block_table,
+            start + n == seq.num_tokens,
+            group.params,
+            seq.generator,
+            prompt_lp,
+        )
+
 
 @dataclass
 class SchedulerOutput:
@@ -47,6 +104,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def requests(self) -> list[StepRequest]:
+        """The runner's input: every scheduled sequence as plain data, in batch order."""
+        return [s.request() for s in self.scheduled]
 
 
 class Scheduler:
@@ -85,6 +146,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.final_pending or n == 0:  # its last token is still on the device
+                i += 1
+                continue
             while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -147,9 +211,21 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the step ran and publish newly full blocks."""
+        self.advance(out)
+        self.publish(out)
+
+    @staticmethod
+    def advance(out: SchedulerOutput) -> None:
+        """Count the step's tokens as computed (an overlapped step: as soon as it is launched,
+        so the next step can be scheduled behind it)."""
         for s in out.scheduled:
             s.seq.num_computed += s.num_tokens
-            self.bm.register_full_blocks(s.seq)
+
+    def publish(self, out: SchedulerOutput) -> None:
+        """Offer the step's newly full blocks to the prefix cache, once their tokens are known."""
+        for s in out.scheduled:
+            if not s.seq.is_finished:
+                self.bm.register_full_blocks(s.seq)
 
     def fork_samples(self, parent: Sequence) -> None:
         """Release samples 1..n-1 of `parent`'s request, sharing its computed prompt blocks."""

@@ -21,6 +21,9 @@ class SeqStatus(enum.Enum):
 
 _seq_ids = itertools.count()
 
+# A sampled token not yet back from the device (see `Sequence.num_pending`).
+PLACEHOLDER = -1
+
 
 class Sequence:
     """One sample of a request: its tokens, how many have KV computed, and its block table.
@@ -55,6 +58,10 @@ class Sequence:
         # The steering signature each computed position's KV was made under (b"": none).
         self.position_sigs: list[bytes] = []
         self.latched = 0  # bits of this sample's `rest_of_request` gates that have fired
+        # Overlapped steps: tokens sampled by a step still on the GPU are held as
+        # PLACEHOLDER at the end of `token_ids` until the engine accepts them.
+        self.num_pending = 0
+        self.final_pending = False  # its pending token ends it by length: schedule no more
 
     @property
     def num_tokens(self) -> int:
@@ -62,11 +69,12 @@ class Sequence:
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens the engine has accepted (pending placeholders not counted)."""
+        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
 
     @property
     def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
 
     @property
     def is_finished(self) -> bool:

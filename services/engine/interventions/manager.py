@@ -601,6 +601,15 @@ class InterventionManager:
 
     # -- the step -------------------------------------------------------------------------
 
+    def idle(self) -> bool:
+        """Nothing intervenes in any step now: no steered site, no consumer, and no live
+        request with steering, capture, read-outs or patches (so `plan` returns None)."""
+        return (
+            not self.tables.active_sites()
+            and not self.consumers
+            and all(g.interventions is None for g in self.requests.values())
+        )
+
     def plan(self, sched: SchedulerOutput) -> StepInterventions | None:
         """Per-token tensors for this step, or None when nothing intervenes in it."""
         self.steps += 1

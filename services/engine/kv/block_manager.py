@@ -75,7 +75,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        known = min(seq.num_computed, seq.num_tokens - seq.num_pending)  # overlapped steps
+        for i in range(len(seq.block_hashes), known // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = block_hash(
                 parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_keys(i * bs, (i + 1) * bs)
