@@ -350,7 +350,8 @@ class LLMEngine:
             if self.adapters is not None:
                 self.adapters.end_step()
         self.num_steps += 1
-        if overlap and plan is None:
+        if overlap:
+            assert plan is None, "an idle InterventionManager plans nothing"
             self.scheduler.advance(sched)
             self._hold_places(sched)
             previous, self._in_flight = self._in_flight, (sched, pending)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import CheckpointError
+from services.engine.kernels.norm_rope import rms_norm, rotary
 from services.engine.model.config import RopeConfig, llama3_inv_freq
 from services.engine.parallel import ParallelContext
 
@@ -170,11 +171,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual) in one fused kernel
+        on CUDA (`kernels/norm_rope.py`; the same ops as PyTorch on CPU)."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -196,12 +196,5 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # q: [T, Hq, D], k: [T, Hkv, D]; one fused kernel on CUDA
+        return rotary(q, k, self.cos, self.sin, positions)

@@ -119,6 +119,20 @@ class DecoderLayer(nn.Module):
             h = iv.apply(L, "post_block", h)  # blocks.L.hook_resid_post
         return h
 
+    def forward_fused(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with each residual add fused into the norm after it (no
+        intervention sites): takes and returns (the last sub-block's output, the residual
+        stream before it is added); `residual` None means x is the stream itself."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm(x, residual)
+        a = self.self_attn(positions, normed, meta)
+        normed, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(normed), residual
+
 
 class LlamaFamilyForCausalLM(nn.Module):
     """A pipeline stage of a Llama-family model (the whole model when pp_size == 1).
@@ -168,9 +182,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         interventions: Any = None,  # StepInterventions
     ) -> torch.Tensor:  # [T, H]: the residual stream (final-normed on the last stage)
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_states
+        if interventions is not None:
+            for layer in self.layers.values():
+                h = layer(positions, h, meta, interventions)
+            return self.norm(h) if self.norm is not None else h
+        # Nothing intervenes: each residual add is fused into the next norm (same rounding).
+        residual = None
         for layer in self.layers.values():
-            h = layer(positions, h, meta, interventions)
-        return self.norm(h) if self.norm is not None else h
+            h, residual = layer.forward_fused(positions, h, residual, meta)
+        if residual is None:  # a stage with no layers
+            return self.norm(h) if self.norm is not None else h
+        if self.norm is None:
+            return h + residual
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         return self.lm_head(h)

@@ -1,0 +1,212 @@
+"""Fused RMSNorm (optionally with the residual add before it) and rotary embedding.
+
+Written as PyTorch ops, each RMSNorm is eight kernels and each rotary call fourteen; in a
+decode step of a small model those launches, not the weights, set the time. These do each
+in one kernel. Both compute exactly what the PyTorch references compute, rounding where
+they round (transformers' order: normalise in float32, cast to the activation dtype, then
+multiply by the weight); only the order of the float32 sum of squares differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference serves every call
+    triton = None
+
+from services.engine.kernels.steer import INTERPRET
+
+
+def rms_norm_reference(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H]: normalise x + residual, and return it
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    y = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if residual is None else (y, x)
+
+
+def rotary_reference(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [P, D] float32 table
+    sin: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE, as transformers applies it (table cast to the activation dtype)."""
+    c = cos[positions].to(q.dtype).unsqueeze(1)
+    s = sin[positions].to(q.dtype).unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,
+        res_ptr,  # residual (when HAS_RES)
+        sum_ptr,  # x + residual, written contiguous (when HAS_RES)
+        w_ptr,
+        out_ptr,  # written contiguous
+        stride_xt,
+        stride_xh,  # x is [T, N, H] with any outer strides (N = 1 for a matrix)
+        stride_res,
+        N,
+        H,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        m = cols < H
+        x = tl.load(x_ptr + (row // N) * stride_xt + (row % N) * stride_xh + cols, mask=m)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * stride_res + cols, mask=m, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as x + r is
+            tl.store(sum_ptr + row * H + cols, x, mask=m)
+        x32 = tl.where(m, x.to(tl.float32), 0.0)
+        var = tl.sum(x32 * x32, 0) / H
+        normed = (x32 * tl.rsqrt(var + eps)).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * H + cols, y, mask=m)
+
+    @triton.jit
+    def _rotate_heads(
+        src, dst, t, stride_t, stride_h, n, c, s, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr
+    ):
+        dtype = dst.dtype.element_ty
+        heads = tl.arange(0, BLOCK_HEADS)
+        d = tl.arange(0, HALF)
+        ok = heads[:, None] < n
+        offs = heads[:, None] * (2 * HALF) + d[None, :]
+        p = src + t * stride_t + heads[:, None] * stride_h + d[None, :]
+        x1 = tl.load(p, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(p + HALF, mask=ok, other=0.0).to(tl.float32)
+        # As PyTorch rounds: each product to the dtype, then their sum.
+        a1 = (x1 * c[None, :]).to(dtype).to(tl.float32)
+        b1 = (-x2 * s[None, :]).to(dtype).to(tl.float32)
+        a2 = (x2 * c[None, :]).to(dtype).to(tl.float32)
+        b2 = (x1 * s[None, :]).to(dtype).to(tl.float32)
+        out = dst + t * n * (2 * HALF) + offs
+        tl.store(out, (a1 + b1).to(dtype), mask=ok)
+        tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)
+
+    @triton.jit
+    def _rotary_kernel(
+        q_ptr,
+        k_ptr,
+        q_out,  # [T, HQ, 2 * HALF] contiguous
+        k_out,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+    ):
+        # One program per token: every head of q and k.
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        d = tl.arange(0, HALF)
+        dtype = q_out.dtype.element_ty
+        c = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        _rotate_heads(q_ptr, q_out, t, stride_qt, stride_qh, HQ, c, s, HALF, BLOCK_HEADS)
+        _rotate_heads(k_ptr, k_out, t, stride_kt, stride_kh, HKV, c, s, HALF, BLOCK_HEADS)
+
+
+def _use_triton(*tensors: torch.Tensor | None) -> bool:
+    """The kernels have no backward: anything autograd must see (the trainer's forward)
+    takes the PyTorch path."""
+    x = tensors[0]
+    if triton is None or not (x.is_cuda or INTERPRET):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    """x: [..., H] whose last dim is contiguous; a [T, N, H] view (per-head norms of a
+    fused projection's output) is read in place. The output is contiguous."""
+    h = x.shape[-1]
+    x3 = x if x.dim() == 3 else x.reshape(-1, 1, h)
+    t, n = x3.shape[0], x3.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res = residual.reshape(-1, h) if residual is not None else out
+    total = torch.empty_like(out) if residual is not None else out
+    _rms_norm_kernel[(t * n,)](
+        x3,
+        res,
+        total,
+        weight,
+        out,
+        x3.stride(0),
+        x3.stride(1),
+        res.stride(0),
+        n,
+        h,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK_H=triton.next_power_of_2(h),
+        num_warps=4 if h <= 2048 else 8,
+    )
+    return out if residual is None else (out, total)
+
+
+def rotary_triton(q, k, cos, sin, positions):
+    """Out of place, one kernel for q and k."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(t, hkv, d, dtype=k.dtype, device=k.device)
+    _rotary_kernel[(t,)](
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        positions,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        HQ=hq,
+        HKV=hkv,
+        HALF=d // 2,
+        BLOCK_HEADS=triton.next_power_of_2(max(hq, hkv)),
+        num_warps=4,
+    )
+    return q_out, k_out
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm of x (or of x + residual, returning that sum too); Triton on CUDA."""
+    if _use_triton(x, weight, residual):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def rotary(q, k, cos, sin, positions):
+    """Rotate-half RoPE of q and k; Triton on CUDA."""
+    if _use_triton(q, k):
+        return rotary_triton(q, k, cos, sin, positions)
+    return rotary_reference(q, k, cos, sin, positions)

@@ -1,0 +1,94 @@
+"""The engine's decode-attention, RMSNorm and rotary kernels compiled on CUDA against their
+PyTorch references (bf16, fp16, fp32), and the decode kernel under CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.kernels.decode_attention import (
+    decode_attention_reference,
+    decode_attention_triton,
+)
+from services.engine.kernels.norm_rope import (
+    rms_norm_reference,
+    rms_norm_triton,
+    rotary_reference,
+    rotary_triton,
+)
+from tests.unit.engine.kernels.test_fused_kernels import paged_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _cuda(case):
+    return [t.cuda() for t in case]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "hq,hkv,d,lens,window",
+    [
+        (16, 8, 128, (512,), None),
+        (32, 8, 128, (1, 700, 0, 1999, 16, 17, 33), None),
+        (14, 2, 64, tuple(range(1, 129, 2)), None),
+        (16, 8, 128, (300, 5, 900), 128),
+    ],
+)
+def test_decode_kernel_matches_reference(dtype, hq, hkv, d, lens, window):
+    width = -(-max(lens) // 16)
+    blocks = len(lens) * width + 3
+    case = _cuda(paged_case(hq, hkv, d, 16, lens, width, blocks, seed=len(lens), dtype=dtype))
+    got = decode_attention_triton(*case, d**-0.5, window)
+    want = decode_attention_reference(*case, d**-0.5, window)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_decode_kernel_replays_in_a_cuda_graph():
+    q, kc, vc, tables, lens = _cuda(
+        paged_case(16, 8, 128, 16, (40, 300, 0), 20, 70, 1, torch.bfloat16)
+    )
+    graph = torch.cuda.CUDAGraph()
+    decode_attention_triton(q, kc, vc, tables, lens, 0.1)  # compile outside the capture
+    with torch.cuda.graph(graph):
+        out = decode_attention_triton(q, kc, vc, tables, lens, 0.1)
+    for new_lens in ((1, 2, 3), (319, 0, 77)):  # the same graph, other lengths and queries
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.normal_()
+        graph.replay()
+        want = decode_attention_reference(q, kc, vc, tables, lens, 0.1)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("h", [64, 128, 1024, 4096, 5120])
+def test_rms_norm_matches_reference(dtype, h):
+    x = torch.randn(37, h, device="cuda", dtype=dtype)
+    r = torch.randn(37, h, device="cuda", dtype=dtype)
+    w = (torch.rand(h, device="cuda") + 0.5).to(dtype)
+    tol = TOL[dtype]
+    torch.testing.assert_close(
+        rms_norm_triton(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), atol=tol, rtol=tol
+    )
+    y, total = rms_norm_triton(x, w, 1e-6, residual=r)
+    y_ref, total_ref = rms_norm_reference(x, w, 1e-6, residual=r)
+    assert torch.equal(total, total_ref)  # the add rounds exactly as PyTorch's
+    torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_matches_reference(dtype):
+    from services.engine.model.config import RopeConfig
+    from services.engine.model.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(128, 4096, RopeConfig(theta=1e6, scaling=None)).cuda()
+    qkv = torch.randn(50, (16 + 2 * 8) * 128, device="cuda", dtype=dtype)
+    q = qkv[:, : 16 * 128].view(50, 16, 128)  # strided views, as the model passes them
+    k = qkv[:, 16 * 128 : 24 * 128].view(50, 8, 128)
+    pos = torch.randint(0, 4096, (50,), device="cuda")
+    got = rotary_triton(q, k, rope.cos, rope.sin, pos)
+    want = rotary_reference(q, k, rope.cos, rope.sin, pos)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=TOL[dtype], rtol=TOL[dtype])

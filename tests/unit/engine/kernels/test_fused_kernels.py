@@ -1,0 +1,157 @@
+"""The engine's own attention, norm and rotary kernels against their PyTorch references:
+the references against a dense oracle here, the Triton kernels interpreted on CPU in a fresh
+process (as in test_steer.py), and in bf16 on the device (tests/gpu/test_fused_kernels_bf16.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.kernels.decode_attention import (
+    decode_attention_reference,
+    decode_attention_triton,
+)
+from services.engine.kernels.norm_rope import (
+    rms_norm_reference,
+    rms_norm_triton,
+    rotary_reference,
+    rotary_triton,
+)
+from services.engine.kernels.steer import INTERPRET
+
+interpreted_only = pytest.mark.skipif(
+    not INTERPRET, reason="run under TRITON_INTERPRET=1 by test_triton_under_interpreter"
+)
+
+
+def paged_case(
+    hq=4, hkv=2, d=64, page=4, lens=(23, 1, 0), width=6, blocks=24, seed=0, dtype=torch.float32
+):
+    """A scrambled paged cache and each request's block table."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(blocks, page, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, page, hkv, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    tables = torch.randperm(blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    return q, k_cache, v_cache, tables.int(), torch.tensor(lens, dtype=torch.int32)
+
+
+def dense_attention(q, k_cache, v_cache, tables, lens, scale, window=None):
+    """The oracle: each request's keys laid out densely, SDPA with an explicit mask."""
+    out = torch.zeros_like(q)
+    page = k_cache.shape[1]
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            continue
+        k = torch.cat([k_cache[int(blk)] for blk in tables[b]])[:n]  # [n, Hkv, D]
+        v = torch.cat([v_cache[int(blk)] for blk in tables[b]])[:n]
+        assert k.shape[0] == n and page > 0
+        mask = torch.ones(1, n, dtype=torch.bool)
+        if window is not None:
+            mask[0, : max(0, n - window)] = False
+        o = F.scaled_dot_product_attention(
+            q[b][:, None],
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )  # [Hq, 1, D]
+        out[b] = o[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2), (8, 1)])
+def test_decode_reference_matches_dense_attention(hq, hkv, window):
+    case = paged_case(hq=hq, hkv=hkv)
+    want = dense_attention(*case, 0.125, window)
+    got = decode_attention_reference(*case, 0.125, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))  # a padding row gives zeros
+
+
+def test_norm_and_rotary_references_are_the_model_math():
+    x, w = torch.randn(3, 32), torch.rand(32) + 0.5
+    x32 = x.float()
+    want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(rms_norm_reference(x, w, 1e-6), want)
+    r = torch.randn(3, 32)
+    y, total = rms_norm_reference(x, w, 1e-6, residual=r)
+    assert torch.equal(total, x + r) and torch.equal(y, rms_norm_reference(x + r, w, 1e-6))
+    # rotating by position 0 (cos 1, sin 0) is the identity
+    cos, sin = torch.ones(4, 16), torch.zeros(4, 16)
+    q, k = torch.randn(2, 3, 16), torch.randn(2, 1, 16)
+    qr, kr = rotary_reference(q, k, cos, sin, torch.tensor([0, 3]))
+    assert torch.equal(qr, q) and torch.equal(kr, k)
+
+
+def test_triton_under_interpreter():
+    pytest.importorskip("triton")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "interpreted",
+        ],
+        cwd=Path(__file__).parents[4],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+
+
+@interpreted_only
+@pytest.mark.parametrize(
+    "hq,hkv,d,page,window,splits",
+    [(4, 2, 64, 4, None, 1), (4, 2, 64, 4, None, 3), (2, 2, 128, 16, None, 2), (8, 1, 64, 8, 5, 2)],
+)
+def test_interpreted_decode_kernel_matches_reference(hq, hkv, d, page, window, splits):
+    lens = (6 * page - 1, 1, 0, 2 * page + 3)
+    case = paged_case(hq=hq, hkv=hkv, d=d, page=page, lens=lens, width=6, blocks=30, seed=d + page)
+    want = decode_attention_reference(*case, 0.1, window)
+    got = decode_attention_triton(*case, 0.1, window, num_splits=splits)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@interpreted_only
+def test_interpreted_norm_and_rotary_kernels_match_reference():
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(5, 48, generator=g), torch.randn(5, 48, generator=g)
+    w = torch.rand(48, generator=g) + 0.5
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+    y, total = rms_norm_triton(x, w, 1e-6, residual=r)
+    y_ref, total_ref = rms_norm_reference(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(y, y_ref)
+    assert torch.equal(total, total_ref)
+    # per-head norm of a strided view, as q_norm reads the fused qkv output
+    qkv = torch.randn(5, 3 * 64, generator=g)
+    heads = qkv[:, :128].view(5, 2, 64)
+    wh = torch.rand(64, generator=g) + 0.5
+    torch.testing.assert_close(
+        rms_norm_triton(heads, wh, 1e-6), rms_norm_reference(heads, wh, 1e-6)
+    )
+    half = torch.randn(20, 8, generator=g)
+    cos, sin = torch.cat([half.cos(), half.cos()], 1), torch.cat([half.sin(), half.sin()], 1)
+    q = torch.randn(5, 4, 16, generator=g)
+    k = torch.randn(5, 2, 16, generator=g)
+    pos = torch.tensor([3, 0, 19, 7, 7])
+    kernel, reference = rotary_triton(q, k, cos, sin, pos), rotary_reference(q, k, cos, sin, pos)
+    for got, want in zip(kernel, reference, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
