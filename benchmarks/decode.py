@@ -1,0 +1,312 @@
+"""Steady-state decode speed: Coxswain against the ceiling a hand-written loop reaches.
+
+In one process, on one checkpoint (generated with random weights in a real model's shape,
+or `--model DIR`), at each batch size with every request `--context` tokens deep:
+
+- roofline: the measured copy bandwidth, and the tok/s at which one decode step would only
+  read the weights and the batch's KV cache once;
+- ceiling: a plain PyTorch decoder of the same weights with a static, contiguous KV cache,
+  one whole decode step (embedding → greedy token fed back) captured in one CUDA graph
+  (gpt-fast's recipe) and replayed;
+- hf: transformers `generate` (greedy, static batches), decode rate = the extra time of
+  `--steps` more new tokens;
+- coxswain: `LLMEngine.step()` after every request has prefilled.
+
+    PYTHONPATH=. python3 benchmarks/decode.py --shape qwen3-0.6b
+    PYTHONPATH=. python3 benchmarks/decode.py --shape llama3-8b --systems ceiling,coxswain
+    PYTHONPATH=. python3 benchmarks/decode.py --shape tiny --device cpu --batch-sizes 1,4
+
+Prints numbers only; it is never a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from throughput import copy_bandwidth, load_hf, sync
+
+from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine.model.config import load_model_config
+from services.engine.model.layers import RotaryEmbedding
+from services.engine.model.tiny import make_tiny_checkpoint
+
+SHAPES = {  # make_tiny_checkpoint arguments of real models' shapes
+    "qwen3-0.6b": dict(
+        arch="qwen3", layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128,
+        intermediate=3072, vocab=151936,
+    ),
+    "llama3-8b": dict(
+        arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+        intermediate=14336, vocab=128256,
+    ),
+    "tiny": dict(arch="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512),
+}  # fmt: skip
+
+
+# -- the ceiling: a static-KV decoder in one CUDA graph ------------------------------------
+
+
+class StaticDecoder:
+    """The checkpoint's decoder written plainly over a contiguous `[L, B, Hkv, S, D]` cache.
+
+    `step()` runs one decode step for the whole batch from `self.tokens` at `self.pos` and
+    writes the greedy next tokens back into `self.tokens`, so replays chain like decoding.
+    """
+
+    def __init__(self, model_dir: Path, batch: int, max_len: int, device, dtype):
+        cfg = load_model_config(model_dir)
+        self.cfg = cfg
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        w = {}
+        for f in files:
+            w.update({k: v.to(device, dtype) for k, v in load_file(f).items()})
+        self.w = w
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed)
+        rope = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope).to(device)
+        self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.arange = torch.arange(max_len, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _norm(self, x, name):
+        return F.rms_norm(x, (x.shape[-1],), self.w[name], self.cfg.rms_norm_eps)
+
+    def _rope(self, x):  # [B, H, 1, D]
+        at = self.pos.view(1)  # a 1-element index: indexing by a 0-dim tensor would sync
+        c, s = self.cos.index_select(0, at), self.sin.index_select(0, at)
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * c + rot * s
+
+    def step(self) -> None:
+        cfg, w = self.cfg, self.w
+        b = self.tokens.shape[0]
+        h = F.embedding(self.tokens, self.embed)  # [B, H]
+        mask = (self.arange <= self.pos)[None, None, None, :]
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            x = self._norm(h, p + "input_layernorm.weight")
+            q = F.linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
+            k = F.linear(x, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
+            v = F.linear(x, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+            q = q.view(b, cfg.num_heads, 1, cfg.head_dim)
+            k = k.view(b, cfg.num_kv_heads, 1, cfg.head_dim)
+            v = v.view(b, cfg.num_kv_heads, 1, cfg.head_dim)
+            if cfg.qk_norm:
+                q = self._norm(q, p + "self_attn.q_norm.weight")
+                k = self._norm(k, p + "self_attn.k_norm.weight")
+            q, k = self._rope(q), self._rope(k)
+            self.k[i].index_copy_(2, self.pos.view(1), k)
+            self.v[i].index_copy_(2, self.pos.view(1), v)
+            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], mask, enable_gqa=True)
+            h = h + F.linear(o.reshape(b, -1), w[p + "self_attn.o_proj.weight"])
+            x = self._norm(h, p + "post_attention_layernorm.weight")
+            gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
+            up = F.linear(x, w[p + "mlp.up_proj.weight"])
+            h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        logits = F.linear(self._norm(h, "model.norm.weight"), self.lm_head)
+        self.tokens.copy_(logits.argmax(-1))
+        self.pos.add_(1)
+
+    def capture(self) -> None:
+        """Warm up on a side stream, then capture one step (cuda only)."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+
+
+@torch.inference_mode()
+def bench_ceiling(model_dir, batch, context, steps, device, dtype) -> float:
+    dec = StaticDecoder(model_dir, batch, context + steps + 8, device, dtype)
+    dec.k.normal_(std=0.5)  # positions [0, context) hold "prefilled" keys and values
+    dec.v.normal_(std=0.5)
+    dec.pos.fill_(context)
+    if device.type == "cuda":
+        dec.capture()
+    dec.pos.fill_(context)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        dec.run()
+    sync(device)
+    seconds = time.perf_counter() - t
+    del dec
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return batch * steps / seconds
+
+
+# -- transformers and Coxswain -------------------------------------------------------------
+
+
+@torch.inference_mode()
+def bench_hf(model, prompts, steps, device) -> float:
+    ids = torch.tensor(prompts, device=device)
+
+    def timed(new: int) -> float:
+        sync(device)
+        t = time.perf_counter()
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            eos_token_id=[],
+        )
+        sync(device)
+        return time.perf_counter() - t
+
+    timed(2)  # warm-up
+    return len(prompts) * steps / max(1e-9, timed(steps + 1) - timed(1))
+
+
+def bench_coxswain(engine: LLMEngine, prompts, steps) -> float:
+    params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
+    rids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    groups = [engine.requests[r] for r in rids]
+    while any(g.seqs[0].num_generated == 0 for g in groups):  # every prefill done
+        engine.step()
+    for _ in range(4):  # graph buckets and the overlap pipeline settle
+        engine.step()
+    sync(engine.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    seconds = time.perf_counter() - t
+    for rid in rids:
+        engine.abort(rid)
+    engine.step()  # drain the step still in flight
+    return len(prompts) * steps / seconds
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--model", type=Path, help="a local HF checkpoint dir instead of --shape")
+    p.add_argument("--batch-sizes", default="1,32,128")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--systems", default="ceiling,hf,coxswain")
+    p.add_argument("--hf-batch-max", type=int, default=32, help="skip HF above this batch")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--enforce-eager", action="store_true", help="Coxswain without CUDA graphs")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    systems = args.systems.split(",")
+    max_len = args.context + args.steps + 64
+    tmp = tempfile.TemporaryDirectory()
+    label = str(args.model or args.shape)
+    if args.model is None:
+        t = time.perf_counter()
+        args.model = make_tiny_checkpoint(
+            Path(tmp.name) / args.shape,
+            **SHAPES[args.shape],
+            max_position_embeddings=max(2048, max_len),
+            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        )
+        print(f"generated a random {args.shape} checkpoint in {time.perf_counter() - t:.0f} s")
+    cfg = load_model_config(args.model)
+    rng = random.Random(0)
+    prompts = {b: [[rng.randrange(10, cfg.vocab_size) for _ in range(args.context)]
+                   for _ in range(b)] for b in batches}  # fmt: skip
+    results: dict[str, dict[int, float]] = {s: {} for s in systems}
+
+    weights = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    bw = copy_bandwidth(device, 2**28) if device.type == "cuda" else float("nan")
+    roof = {b: b / ((weights + b * args.context * kv_per_token) / bw) for b in batches}
+    print(f"{label}: {weights / 1e9:.2f} GB of "
+          f"weights, {kv_per_token * args.context / 1e6:.1f} MB of KV per request at context "
+          f"{args.context}; copy bandwidth {bw / 1e12:.2f} TB/s on {device}")  # fmt: skip
+
+    if "ceiling" in systems:
+        for b in batches:
+            results["ceiling"][b] = bench_ceiling(
+                args.model, b, args.context, args.steps, device, dtype
+            )
+    if "hf" in systems:
+        model = load_hf(args.model, device, dtype)
+        for b in batches:
+            if b <= args.hf_batch_max:
+                results["hf"][b] = bench_hf(model, prompts[b], args.steps, device)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "coxswain" in systems:
+        t = time.perf_counter()
+        engine = LLMEngine(
+            args.model,
+            EngineConfig(
+                device=device.type,
+                dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                max_num_seqs=max(batches),
+                max_num_batched_tokens=8192,
+                max_model_len=max_len,
+                enable_prefix_caching=False,
+                enforce_eager=args.enforce_eager,
+                gpu_memory_utilization=0.6,
+            ),
+        )
+        print(f"coxswain engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
+        for b in batches:
+            results["coxswain"][b] = bench_coxswain(engine, prompts[b], args.steps)
+
+    ceiling = results.get("ceiling", {})
+    print(f"\ndecode at context {args.context}, {args.steps} steps; ratio = tok/s ÷ ceiling")
+    print(f"{'system':<10}" + "".join(f"{'batch ' + str(b):>26}" for b in batches))
+    rows = [("roofline", roof)] + [(s, results[s]) for s in systems]
+    for name, row in rows:
+        cells = []
+        for b in batches:
+            if b not in row or row[b] != row[b]:
+                cells.append(f"{'—':>26}")
+                continue
+            ms = 1e3 * b / row[b]
+            ratio = f" ({row[b] / ceiling[b]:.2f}×)" if b in ceiling else ""
+            cells.append(f"{row[b]:>9,.0f} tok/s {ms:6.2f} ms{ratio:>8}")
+        print(f"{name:<10}" + "".join(cells))
+    if args.json:
+        args.json.write_text(json.dumps({"roofline": roof, **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
