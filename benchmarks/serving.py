@@ -241,9 +241,9 @@ async def run_phase(
 
 
 @contextmanager
-def local_gateway(args: argparse.Namespace, key: str) -> Iterator[str]:
+def local_gateway(args: argparse.Namespace, key: str) -> Iterator[tuple[str, Any]]:
     """The gateway app over an engine on a generated checkpoint (or `--model`), served by
-    uvicorn in a background thread; yields its URL."""
+    uvicorn in a background thread; yields its URL and the engine's AsyncLLM."""
     from services.common.auth import ApiKey, ApiKeys
     from services.engine.service import EngineService
     from services.gateway.http_app import build_app
@@ -264,7 +264,7 @@ def local_gateway(args: argparse.Namespace, key: str) -> Iterator[str]:
         app = build_app(backend, ApiKeys([ApiKey("bench", "read", key)]))
         try:
             with serve_asgi(app) as url:
-                yield url
+                yield url, backend.llm
         finally:
             backend.llm.shutdown()
 
@@ -435,6 +435,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--steer-layers", help="comma-separated (default: layers L/3 and 2L/3)")
     w.add_argument("--scale", type=float, default=4.0, help="scale of the unit vectors")
     w.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    w.add_argument(
+        "--throughput",
+        action="store_true",
+        help="instead: generated tok/s of --num-requests unsteered streams over HTTP "
+        "(--concurrency in flight) against the same workload sent to the engine in process",
+    )
     e = p.add_argument_group("local engine (without --url)")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -458,7 +464,10 @@ def main(argv: list[str] | None = None) -> None:
         run_client(args, args.url, key, "")
         return
     key = secrets.token_urlsafe(24)
-    with local_gateway(args, key) as url:
+    if args.throughput:
+        compare_throughput(args, key)
+        return
+    with local_gateway(args, key) as (url, _):
         where = f" (uvicorn in a thread of the parent process, {torch.get_num_threads()} threads)"
         # The load generator gets its own interpreter. Here it would compete with the engine
         # thread and uvicorn for the GIL, read chunks late and in bursts, and so report
@@ -470,6 +479,84 @@ def main(argv: list[str] | None = None) -> None:
         client.join()
     if client.exitcode:
         raise SystemExit(f"the client process failed (exit code {client.exitcode})")
+
+
+# -- --throughput: HTTP against the engine in process ----------------------------------------
+
+
+def _throughput_prompts(args: argparse.Namespace, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)
+    ]
+
+
+def compare_throughput(args: argparse.Namespace, key: str) -> None:
+    """Generated tok/s over HTTP (client in its own process) and in process (the same
+    AsyncLLM, no HTTP), on the same model and the same workload shape; fresh prompts for
+    each run so neither reads the other's prefix cache."""
+    with local_gateway(args, key) as (url, llm):
+        results = multiprocessing.get_context("spawn").Queue()
+        client = multiprocessing.get_context("spawn").Process(
+            target=_http_throughput_client, args=(args, url, key, results), name="http-client"
+        )
+        client.start()
+        client.join()
+        if client.exitcode or results.empty():
+            raise SystemExit(f"the HTTP client failed (exit code {client.exitcode})")
+        http_tokens, http_s = results.get()
+        vocab = llm.engine.model_config.vocab_size
+        local_tokens, local_s = asyncio.run(_in_process_throughput(args, llm, vocab))
+    http, local = http_tokens / http_s, local_tokens / local_s
+    print(
+        f"{args.num_requests} streams of {args.prompt_len} prompt -> {args.output_len} "
+        f"generated tokens, {args.concurrency} in flight, greedy, ignore_eos\n"
+        f"  over HTTP:  {http:10,.0f} generated tok/s ({http_tokens} in {http_s:.2f} s)\n"
+        f"  in process: {local:10,.0f} generated tok/s ({local_tokens} in {local_s:.2f} s)\n"
+        f"  HTTP / in process = {http / local:.2f}"
+    )
+
+
+def _http_throughput_client(args, url: str, key: str, results) -> None:
+    async def run() -> tuple[int, float]:
+        headers = {"Authorization": f"Bearer {key}"}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(
+            base_url=url, headers=headers, timeout=args.timeout, limits=limits
+        ) as client:
+            model = await fetch_model(client)
+            maker = RequestMaker(model, args.output_len, [0], 1.0, 1, args.seed)
+            warm = [(UNSTEERED, maker.body(UNSTEERED, [1] * args.prompt_len, 0))] * 8
+            await run_phase(client, "warm-up", warm, None, args.concurrency)
+            prompts = _throughput_prompts(args, model.vocab_size, args.seed)
+            work = [(UNSTEERED, maker.body(UNSTEERED, p, i)) for i, p in enumerate(prompts)]
+            phase = await run_phase(client, "http", work, None, args.concurrency)
+        errors = [s.error for s in phase.samples if s.error]
+        if errors:
+            raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
+        return sum(s.tokens for s in phase.samples), phase.seconds
+
+    results.put(asyncio.run(run()))
+
+
+async def _in_process_throughput(args, llm, vocab: int) -> tuple[int, float]:
+    from services.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    queue = list(_throughput_prompts(args, vocab, args.seed + 1))
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal tokens
+        while queue:
+            final = None
+            async for out in llm.generate(queue.pop(), params):
+                final = out
+            tokens += len(final.outputs[0].token_ids)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return tokens, time.perf_counter() - start
 
 
 def run_client(args: argparse.Namespace, url: str, key: str, where: str) -> None:

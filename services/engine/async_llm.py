@@ -150,6 +150,10 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await queue.get()
+                # Under load the reader falls behind the engine: outputs are cumulative, so
+                # one message with the newest state replaces all those waiting.
+                while not isinstance(item, BaseException) and not queue.empty():
+                    item = queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

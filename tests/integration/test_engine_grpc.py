@@ -155,11 +155,13 @@ def test_model_info_describes_the_served_model(client, path):
     assert (info["dtype"], info["device"]) == ("float32", "cpu")
 
 
-def test_the_stream_grows_by_one_token_per_message_and_matches_offline(client, offline):
+def test_the_stream_grows_with_every_message_and_matches_offline(client, offline):
     outs = list(client.generate(PROMPT, **GREEDY))
     want = offline.generate([PROMPT], SamplingParams(**GREEDY))[0]
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4]
-    assert [o.finished for o in outs] == [False, False, False, True]
+    # One message per step, or fewer carrying several tokens when the reader falls behind.
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    assert lens == sorted(set(lens)) and lens[0] >= 1 and lens[-1] == 4
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     for earlier, later in itertools.pairwise(outs):
         assert later.outputs[0].token_ids[: len(earlier.outputs[0].token_ids)] == (
             earlier.outputs[0].token_ids
