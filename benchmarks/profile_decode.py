@@ -1,0 +1,95 @@
+"""Where a decode step's time goes: host milliseconds, kernels and launches, device syncs.
+
+On a generated Qwen3-0.6B-shaped checkpoint (context 512), for each batch size it prints:
+- wall time per decode step;
+- host-busy time: wall time minus the time `engine.step()` waits on the event of the step's
+  one device→host copy;
+- the kernels executed per step and the CUDA API calls per step (`torch.profiler`);
+- how many sync warnings `torch.cuda.set_sync_debug_mode("warn")` raised over 5 steps.
+
+    PYTHONPATH=. python3 benchmarks/profile_decode.py        # CUDA only
+
+Prints numbers only; it is never a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import services.engine.model_runner as model_runner
+from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine.model.tiny import make_tiny_checkpoint
+
+waited = [0.0]
+_result = model_runner.PendingStep.result
+
+
+def _timed_result(self: model_runner.PendingStep) -> model_runner.StepResult:
+    if self.copied is not None:
+        t = time.perf_counter()
+        self.copied.synchronize()
+        waited[0] += time.perf_counter() - t
+    return _result(self)
+
+
+def main() -> None:
+    model_runner.PendingStep.result = _timed_result  # count the time blocked on the device
+    path = make_tiny_checkpoint(
+        tempfile.mkdtemp() + "/m", "qwen3", layers=28, hidden=1024, heads=16, kv_heads=8,
+        head_dim=128, intermediate=3072, vocab=151936, max_position_embeddings=2048,
+        dtype="bfloat16",
+    )  # fmt: skip
+    cfg = EngineConfig(
+        device="cuda", dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=8192,
+        max_model_len=1024, enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = LLMEngine(path, cfg)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for batch in (1, 32, 128):
+        rids = [f"{batch}-{i}" for i in range(batch)]
+        for rid in rids:
+            engine.add_request(rid, [rng.randrange(100, 150000) for _ in range(512)], params)
+        while any(g.seqs[0].num_generated == 0 for g in engine.requests.values()):
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        torch.cuda.synchronize()
+        waited[0], n = 0.0, 64
+        t = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / n
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            for _ in range(5):
+                engine.step()
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                engine.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        api = {e.key: e.count / 10 for e in events if e.key.startswith("cu") and e.count >= 5}
+        host_ms = 1e3 * (wall - waited[0] / n)
+        calls = ", ".join(f"{k} {v:g}" for k, v in sorted(api.items()))
+        print(f"batch {batch}: {wall * 1e3:.2f} ms/step, host busy {host_ms:.2f} ms")
+        print(f"  {kernels / 10:.0f} kernels/step; sync warnings in 5 steps: {syncs}")
+        print(f"  CUDA API calls per step: {calls}")
+        for rid in rids:
+            engine.abort(rid)
+        engine.step()
+
+
+if __name__ == "__main__":
+    main()
