@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels.decode_attention import decode_attention
+from services.engine.kernels.decode_attention import decode_attention, prefill_attention
 
 
 @dataclass
@@ -183,28 +183,35 @@ class SdpaBackend(AttentionBackend):
 
 
 class TritonBackend(AttentionBackend):
-    """Triton kernels over the paged cache in place.
+    """Triton kernels over the paged cache in place (`kernels/decode_attention.py`).
 
-    A decode step (one query per request) runs the split-K decode kernel
-    (`kernels/decode_attention.py`), which reads only device tensors, so the step can be
-    captured in a CUDA graph. Padding rows of a graph batch have `seq_len == 0` (output
-    zeros) and write their K/V to a scratch slot the block manager never hands out. Other
-    steps (prefill chunks, mixed batches) run eagerly through the SDPA path for now.
+    A decode step (one query per request) runs the split-K decode kernel, which reads only
+    device tensors, so the step can be captured in a CUDA graph. Padding rows of a graph
+    batch have `seq_len == 0` (output zeros) and write their K/V to a scratch slot the
+    block manager never hands out. Any other step runs the varlen prefill kernel: each
+    chunk attends its cached context plus itself.
     """
 
-    def __init__(self) -> None:
-        self.prefill = SdpaBackend()
+    def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs:
+        return inputs
 
-    def prepare(self, inputs: StepAttentionInputs) -> Any:
-        return inputs if inputs.is_decode else self.prefill.prepare(inputs)
-
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
-        if not isinstance(meta, StepAttentionInputs):
-            return self.prefill.forward(q, k, v, kv_cache, meta, scale, sliding_window)
+    def forward(self, q, k, v, kv_cache, meta: StepAttentionInputs, scale, sliding_window):
         k_cache, v_cache = kv_cache
         hkv, d = k_cache.shape[-2:]
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        return decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
+        if meta.is_decode:
+            return decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
+            )
+        return prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_query_len,
+            scale,
+            sliding_window,
         )

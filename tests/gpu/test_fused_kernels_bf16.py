@@ -9,6 +9,8 @@ import torch
 from services.engine.kernels.decode_attention import (
     decode_attention_reference,
     decode_attention_triton,
+    prefill_attention_reference,
+    prefill_attention_triton,
 )
 from services.engine.kernels.norm_rope import (
     rms_norm_reference,
@@ -16,7 +18,7 @@ from services.engine.kernels.norm_rope import (
     rotary_reference,
     rotary_triton,
 )
-from tests.unit.engine.kernels.test_fused_kernels import paged_case
+from tests.unit.engine.kernels.test_fused_kernels import paged_case, prefill_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -92,3 +94,20 @@ def test_rotary_matches_reference(dtype):
     want = rotary_reference(q, k, rope.cos, rope.sin, pos)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "hq,hkv,d,lens,q_lens,window",
+    [
+        (16, 8, 128, (512, 700, 40), (512, 100, 1), None),  # fresh, chunk over cache, 1 token
+        (32, 8, 128, (1999, 17), (300, 17), None),
+        (14, 2, 64, (130, 64), (130, 63), 32),
+    ],
+)
+def test_prefill_kernel_matches_reference(dtype, hq, hkv, d, lens, q_lens, window):
+    q, kc, vc, tables, qsl, lens_t = prefill_case(hq, hkv, d, 16, lens, q_lens, seed=len(lens))
+    args = [t.cuda() for t in (q.to(dtype), kc.to(dtype), vc.to(dtype), tables, qsl, lens_t)]
+    got = prefill_attention_triton(*args, max(q_lens), d**-0.5, window)
+    want = prefill_attention_reference(*args, d**-0.5, window)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])

@@ -1,4 +1,4 @@
-"""Decode attention over the paged KV cache, read in place: split-K (flash-decoding).
+"""Attention over the paged KV cache, read in place: split-K decode and varlen prefill.
 
 One query per request attends every cached key of its request. Work is split three ways:
 request × KV head × split of the context, so a single request still spreads over many SMs.
@@ -8,6 +8,11 @@ Each program packs the query heads that share its KV head (GQA) into the rows of
 the splits by their log-sum-exp. Every bound is read from device tensors (each row's length
 decides its own split size), so the launch depends only on shapes and a CUDA graph can
 capture it. Rows with length 0 (graph padding) give zeros.
+
+Prefill (eager, host metadata at hand): one program per request × tile of 64 queries ×
+query head; a chunk attends its cached context plus itself causally, all read from the
+cache after the chunk's own K/V were written, skipping key tiles past its last query or
+before its window.
 """
 
 from __future__ import annotations
@@ -253,3 +258,170 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding
     return decode_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window
     )
+
+
+# -- varlen prefill: chunks over prefix-cached context ---------------------------------------
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,  # [T, Hq, D] the queries of R requests, concatenated
+    k_cache: torch.Tensor,  # [N, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, W] int32
+    query_start_loc: torch.Tensor,  # [R+1] int32
+    seq_lens: torch.Tensor,  # [R] int32: request r's queries are its last q_len positions
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Plain PyTorch: each chunk attends its cached context plus itself, causally."""
+    _, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(q)
+    qsl = query_start_loc.tolist()
+    for r, n in enumerate(seq_lens.tolist()):
+        a, b = qsl[r], qsl[r + 1]
+        if b == a:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = block_tables[r].long()[pos // bs] * bs + pos % bs
+        k = k_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+        v = v_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+        qpos = torch.arange(n - (b - a), n, device=q.device)
+        scores = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale
+        visible = pos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            visible &= qpos[:, None] - pos[None, :] < sliding_window
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        out[a:b] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr,  # [T, Hq, D]
+        k_ptr,  # [N * bs, Hkv, D]
+        v_ptr,
+        out_ptr,  # [T, Hq, D]
+        tables_ptr,
+        qsl_ptr,
+        lens_ptr,
+        scale,
+        window,  # 0: none
+        stride_qt,
+        stride_qh,
+        stride_kslot,
+        stride_kh,
+        stride_vslot,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_tb,
+        GROUP: tl.constexpr,
+        D: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # One program per (request, tile of BLOCK_M queries, query head).
+        r = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
+        h = tl.program_id(2)
+        kvh = h // GROUP
+        q0 = tl.load(qsl_ptr + r)
+        q_len = tl.load(qsl_ptr + r + 1) - q0
+        seq_len = tl.load(lens_ptr + r)
+        ctx = seq_len - q_len  # cached positions before the chunk
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < q_len
+        qpos = ctx + m
+        dd = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + (q0 + m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + dd[None, :],
+            mask=m_ok[:, None],
+            other=0.0,
+        )
+        # Keys this tile can see: up to its last query (causal), from the window's start.
+        hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+        lo = tl.where(window > 0, tl.maximum(ctx + tile * BLOCK_M - window + 1, 0), 0)
+        lo = (lo // BLOCK) * BLOCK
+        mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        offs = tl.arange(0, BLOCK)
+        for start in range(lo, hi, BLOCK):
+            pos = start + offs
+            ok = pos < seq_len
+            page = tl.load(tables_ptr + r * stride_tb + pos // PAGE, mask=ok, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            k = tl.load(
+                k_ptr + slot[:, None] * stride_kslot + kvh * stride_kh + dd[None, :],
+                mask=ok[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            visible = ok[None, :] & (pos[None, :] <= qpos[:, None])
+            visible &= (window <= 0) | (qpos[:, None] - pos[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(mx, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(mx - m_safe)
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_ptr + slot[:, None] * stride_vslot + kvh * stride_vh + dd[None, :],
+                mask=ok[:, None],
+                other=0.0,
+            )
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
+            mx = m_new
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(
+            out_ptr + (q0 + m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + dd[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=m_ok[:, None],
+        )
+
+
+PREFILL_BLOCK_M = 64
+
+
+def prefill_attention_triton(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
+    sliding_window=None,
+):  # fmt: skip
+    _, hq, d = q.shape
+    n_blocks, page, hkv, _ = k_cache.shape
+    out = torch.empty_like(q)
+    k_flat = k_cache.view(n_blocks * page, hkv, d)
+    v_flat = v_cache.view(n_blocks * page, hkv, d)
+    r = seq_lens.shape[0]
+    grid = (r, triton.cdiv(max_query_len, PREFILL_BLOCK_M), hq)
+    _prefill_kernel[grid](
+        q, k_flat, v_flat, out, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window or 0,
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0),
+        v_flat.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=hq // hkv, D=d, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
+    sliding_window=None,
+):  # fmt: skip
+    """Triton on CUDA (and under TRITON_INTERPRET=1), the reference elsewhere."""
+    if triton is None or not (q.is_cuda or INTERPRET):
+        return prefill_attention_reference(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+        )
+    return prefill_attention_triton(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
+        sliding_window,
+    )  # fmt: skip

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from services.engine.kernels.decode_attention import (
     decode_attention_reference,
     decode_attention_triton,
+    prefill_attention_reference,
+    prefill_attention_triton,
 )
 from services.engine.kernels.norm_rope import (
     rms_norm_reference,
@@ -78,6 +80,32 @@ def test_decode_reference_matches_dense_attention(hq, hkv, window):
     assert torch.equal(got[2], torch.zeros_like(got[2]))  # a padding row gives zeros
 
 
+def prefill_case(hq=4, hkv=2, d=64, page=4, lens=(70, 5, 33), q_lens=(70, 2, 10), seed=0):
+    """Chunks over cached context: request r's queries are its last q_lens[r] positions."""
+    g = torch.Generator().manual_seed(seed)
+    blocks, width = 3 * (-(-max(lens) // page)) + 2, -(-max(lens) // page)
+    k_cache = torch.randn(blocks, page, hkv, d, generator=g)
+    v_cache = torch.randn(blocks, page, hkv, d, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    return q, k_cache, v_cache, tables.int(), qsl, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_reference_equals_decoding_each_query_on_its_own(window):
+    """A chunk's query at position p sees exactly what a decode at length p + 1 sees."""
+    q, kc, vc, tables, qsl, lens = prefill_case()
+    got = prefill_attention_reference(q, kc, vc, tables, qsl, lens, 0.125, window)
+    for r in range(len(lens)):
+        for i in range(int(qsl[r]), int(qsl[r + 1])):
+            pos_len = int(lens[r]) - (int(qsl[r + 1]) - i) + 1
+            want = dense_attention(
+                q[i : i + 1], kc, vc, tables[r : r + 1], torch.tensor([pos_len]), 0.125, window
+            )
+            torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+
+
 def test_norm_and_rotary_references_are_the_model_math():
     x, w = torch.randn(3, 32), torch.rand(32) + 0.5
     x32 = x.float()
@@ -127,6 +155,17 @@ def test_interpreted_decode_kernel_matches_reference(hq, hkv, d, page, window, s
     case = paged_case(hq=hq, hkv=hkv, d=d, page=page, lens=lens, width=6, blocks=30, seed=d + page)
     want = decode_attention_reference(*case, 0.1, window)
     got = decode_attention_triton(*case, 0.1, window, num_splits=splits)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@interpreted_only
+@pytest.mark.parametrize(
+    "hq,hkv,d,page,window", [(4, 2, 64, 4, None), (2, 2, 128, 16, None), (4, 1, 64, 8, 5)]
+)
+def test_interpreted_prefill_kernel_matches_reference(hq, hkv, d, page, window):
+    q, kc, vc, tables, qsl, lens = prefill_case(hq, hkv, d, page, seed=d + page)
+    want = prefill_attention_reference(q, kc, vc, tables, qsl, lens, 0.1, window)
+    got = prefill_attention_triton(q, kc, vc, tables, qsl, lens, 70, 0.1, window)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
