@@ -8,6 +8,7 @@ them. The deployments are sized from the engine's capacity, so all 20 run in one
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -46,12 +47,16 @@ def test_twenty_concurrent_requests_run_in_one_batch(url):
                 async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                     assert r.status_code == 200
                     async for line in r.aiter_lines():
-                        if line.startswith("data:") and "[DONE]" not in line:
-                            tokens += 1
-                            if tokens == 1:
-                                started += 1
-                                if started == CONCURRENT:
-                                    all_started.set()
+                        if not line.startswith("data:") or "[DONE]" in line:
+                            continue
+                        # A chunk carries every token since the last one the reader took.
+                        choice = json.loads(line[5:])["choices"][0]
+                        new = len((choice.get("coxswain") or {}).get("token_ids") or [])
+                        if tokens == 0 and new:
+                            started += 1
+                            if started == CONCURRENT:
+                                all_started.set()
+                        tokens += new
                 return tokens
 
             tasks = [asyncio.create_task(one(i)) for i in range(CONCURRENT)]
