@@ -279,7 +279,8 @@ def test_a_long_prompt_is_tokenized_while_other_requests_step(path):
     async def short() -> None:
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         async for out in svc.generate(PROMPT, params):
-            if len(out.outputs[0].token_ids) == 1:
+            # The first output carries one token, or more if the reader fell behind.
+            if out.outputs[0].token_ids and "short started" not in events:
                 events.append("short started")
         events.append("short finished")
 
