@@ -50,9 +50,11 @@ gpu-test:
 	PYTHONPATH=. $(PY) -m pytest -q tests/gpu
 
 # Wheels for an offline CUDA machine whose Python lacks our pure-Python deps (the device
-# tool's has torch/triton/transformers but not pydantic or redis): carry .device/ and run
-# `pip install --no-index --find-links .device/wheels pydantic redis` there.
+# tool's has torch/triton/transformers but not pydantic, redis or the HTTP gateway's
+# fastapi/uvicorn/sse-starlette): carry .device/ and run there
+# `pip install --no-index --find-links .device/wheels --target /tmp/site pydantic redis fastapi uvicorn sse-starlette`.
 device-wheels:
 	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-		-d .device/wheels "pydantic>=2.6" "redis>=5.0"
+		-d .device/wheels "pydantic>=2.6" "redis>=5.0" "fastapi>=0.115" "uvicorn>=0.30" \
+		"sse-starlette>=2.1"

@@ -549,10 +549,8 @@ async def _in_process_throughput(args, llm, vocab: int) -> tuple[int, float]:
     async def worker() -> None:
         nonlocal tokens
         while queue:
-            final = None
-            async for out in llm.generate(queue.pop(), params):
-                final = out
-            tokens += len(final.outputs[0].token_ids)
+            async for delta in llm.generate(queue.pop(), params):
+                tokens += sum(len(s.token_ids) for s in delta.samples)
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))

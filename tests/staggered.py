@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.engine import LLMEngine, SamplingParams
+from services.engine import LLMEngine, OutputAccumulator, SamplingParams
 
 
 def run_staggered(
@@ -12,12 +12,12 @@ def run_staggered(
     done: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     step = 0
+    totals = OutputAccumulator()
     while pending or engine.has_unfinished_requests():
         if pending and step % gap == 0:
             i, p = pending.pop(0)
             engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        for out in totals.finished(engine.step()):
+            done[out.request_id] = out.outputs[0].token_ids
         step += 1
     return [done[str(i)] for i in range(len(prompts))]

@@ -2,9 +2,10 @@
 
 `CoxswainClient` blocks; `AsyncCoxswainClient` is the same API for asyncio. Both take the
 engine's own Python values — `SamplingParams` fields, `SweepSpec` fields, tensors — and give
-back its own results (`RequestOutput`, `Cell`, `SweepResult`), so code written against the
-in-process engine moves to a remote one by swapping the object. Requests are checked here
-with the engine's schema before they leave, and again by the server.
+back its own results (`RequestDelta` streams, `RequestOutput`, `Cell`, `SweepResult`), so
+code written against the in-process engine moves to a remote one by swapping the object.
+Requests are checked here with the engine's schema before they leave, and again by the
+server.
 
 Errors come back as the exception class the server raised (`InvalidRequestError`,
 `NotFoundError`, `PermissionDeniedError`, ...; `services.common.errors`); an unreachable
@@ -22,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.errors import CoxswainError, InvalidRequestError, error_from_rpc
 from services.common.grpc_client import GrpcClient, bearer_metadata, channel_options
 from services.engine.interventions.spec import parse_steering
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import OutputAccumulator, RequestDelta, RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.sweep import Cell, SweepResult, SweepSpec
 from services.gateway import grpc_convert as convert
@@ -111,12 +112,12 @@ class CoxswainClient(GrpcClient):
         *,
         request_id: str | None = None,
         **sampling: Any,
-    ) -> Iterator[RequestOutput]:
-        """Stream a request: its cumulative `RequestOutput` after each engine step that
-        advanced it; the last has `finished=True`. `prompt` is text, token ids, or a chat
-        (`[{"role", "content"}, ...]`); settings come as `params` or `SamplingParams`
-        keyword arguments. Bad input raises here; closing the iterator early aborts the
-        request on the server."""
+    ) -> Iterator[RequestDelta]:
+        """Stream a request: a `RequestDelta` with what each engine step that advanced it added
+        (`OutputAccumulator` adds them up); the last has `finished=True`. `prompt` is text,
+        token ids, or a chat (`[{"role", "content"}, ...]`); settings come as `params` or
+        `SamplingParams` keyword arguments. Bad input raises here; closing the iterator
+        early aborts the request on the server."""
         request = _generate_request(prompt, params, sampling, request_id)
         return self._stream_outputs(request)
 
@@ -128,22 +129,16 @@ class CoxswainClient(GrpcClient):
         request_id: str | None = None,
         **sampling: Any,
     ) -> RequestOutput:
-        """Run a request to the end and return its final output."""
-        final = None
-        for out in self.generate(prompt, params, request_id=request_id, **sampling):
-            final = out
-        if final is None or not final.finished:
-            raise CoxswainError("the Generate stream ended before the request finished")
-        return final
+        """Run a request to the end and return its whole output."""
+        return _total(self.generate(prompt, params, request_id=request_id, **sampling))
 
-    def _stream_outputs(self, request: pb.GenerateRequest) -> Iterator[RequestOutput]:
-        assembler = convert.OutputAssembler()
+    def _stream_outputs(self, request: pb.GenerateRequest) -> Iterator[RequestDelta]:
         call = self._engine.Generate(
             request, metadata=self._metadata, timeout=self.stream_timeout_s
         )
         try:
             for msg in call:
-                yield assembler.apply(msg)
+                yield convert.delta_from_proto(msg)
         except grpc.RpcError as e:
             raise self._error(e) from None
         finally:
@@ -286,7 +281,7 @@ class AsyncCoxswainClient:
         *,
         request_id: str | None = None,
         **sampling: Any,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestDelta]:
         """See `CoxswainClient.generate`; closing the iterator (`aclose`) aborts."""
         request = _generate_request(prompt, params, sampling, request_id)
         return self._stream_outputs(request)
@@ -299,21 +294,18 @@ class AsyncCoxswainClient:
         request_id: str | None = None,
         **sampling: Any,
     ) -> RequestOutput:
-        final = None
-        async for out in self.generate(prompt, params, request_id=request_id, **sampling):
-            final = out
-        if final is None or not final.finished:
-            raise CoxswainError("the Generate stream ended before the request finished")
-        return final
+        totals, total = OutputAccumulator(), None
+        async for delta in self.generate(prompt, params, request_id=request_id, **sampling):
+            total = totals.add(delta)
+        return _finished(total)
 
-    async def _stream_outputs(self, request: pb.GenerateRequest) -> AsyncIterator[RequestOutput]:
-        assembler = convert.OutputAssembler()
+    async def _stream_outputs(self, request: pb.GenerateRequest) -> AsyncIterator[RequestDelta]:
         call = self._engine.Generate(
             request, metadata=self._metadata, timeout=self.stream_timeout_s
         )
         try:
             async for msg in call:
-                yield assembler.apply(msg)
+                yield convert.delta_from_proto(msg)
         except grpc.RpcError as e:
             raise self._error(e) from None
         finally:
@@ -429,3 +421,17 @@ class AsyncCoxswainClient:
             return await method(request, metadata=self._metadata, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise self._error(e) from None
+
+
+def _finished(total: RequestOutput | None) -> RequestOutput:
+    if total is None or not total.finished:
+        raise CoxswainError("the Generate stream ended before the request finished")
+    return total
+
+
+def _total(deltas: Iterator[RequestDelta]) -> RequestOutput:
+    """The whole output of a Generate stream."""
+    totals, total = OutputAccumulator(), None
+    for delta in deltas:
+        total = totals.add(delta)
+    return _finished(total)

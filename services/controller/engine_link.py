@@ -1,11 +1,12 @@
 """The engine's end of the async controller: read-outs out to Redis, actions back in.
 
-`EngineLink` attaches to an `AsyncLLM`. After every engine step its listener turns the new
-tokens' read-outs into small entries in a bounded in-memory buffer (nothing else: the step
-never waits on Redis). A flusher thread XADDs them to the read-out stream; a drainer thread
-pops this replica's action queue and hands each action to `engine.submit_action`, so it
-applies at the top of the next step. When Redis is down both threads back off and retry;
-the buffer keeps the newest entries and counts the ones it had to drop as lost.
+`EngineLink` attaches to an `AsyncLLM`. After every engine step its listener turns the
+step's deltas (the new tokens and their read-outs) into small entries in a bounded in-memory
+buffer (nothing else: the step never waits on Redis). A flusher thread XADDs them to the
+read-out stream; a drainer thread pops this replica's action queue and hands each action to
+`engine.submit_action`, so it applies at the top of the next step. When Redis is down both
+threads back off and retry; the buffer keeps the newest entries and counts the ones it had
+to drop as lost.
 
 Which requests are published: every token of a request that asked for `readouts`; for a
 request with a `conversation_id` but no read-outs, its first token and its finish, so the
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,13 +40,9 @@ from services.controller.messages import (
     encode_entry,
 )
 from services.engine.async_llm import AsyncLLM
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.outputs import CompletionDelta, RequestDelta
 
 log = logging.getLogger(__name__)
-
-# (request id, sample index) -> tokens already published, for requests still running. A
-# request aborted by its caller never reports a final output, so the map is bounded.
-_MAX_TRACKED_SAMPLES = 65_536
 
 
 class EngineLink:
@@ -84,7 +81,6 @@ class EngineLink:
         self._lock = threading.Lock()  # the buffer and every counter below
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._published_upto: OrderedDict[tuple[str, int], int] = OrderedDict()  # engine thread
 
         self.produced = self.published = self.lost = self.publish_errors = 0
         self.received = self.submitted = self.malformed = self.dropped = 0
@@ -104,14 +100,14 @@ class EngineLink:
 
     # -- engine thread -------------------------------------------------------------------
 
-    def _on_outputs(self, outputs: Sequence[RequestOutput]) -> None:
+    def _on_outputs(self, deltas: Sequence[RequestDelta]) -> None:
         """The AsyncLLM listener: buffer this step's new entries, never touching Redis."""
         if self._stop.is_set():
             return
         entries: list[ReadoutEntry] = []
-        for out in outputs:
-            for sample in out.outputs:
-                entries.extend(self._new_entries(out, sample))
+        for delta in deltas:
+            for sample in delta.samples:
+                entries.extend(self._entries(delta, sample))
         if not entries:
             return
         with self._lock:
@@ -123,49 +119,40 @@ class EngineLink:
             self.lost += max(0, overflow)
         self._wake.set()
 
-    def _new_entries(self, out: RequestOutput, sample: CompletionOutput) -> list[ReadoutEntry]:
-        key = (out.request_id, sample.index)
-        done = self._published_upto.get(key, 0)
+    def _entries(self, delta: RequestDelta, sample: CompletionDelta) -> list[ReadoutEntry]:
+        """The entries of one sample's delta: each new token's read-outs (or, without
+        read-outs, only the first token of a conversation's request), and its finish."""
         n = len(sample.token_ids)
         if sample.readouts is not None:
-            upto = n
-        elif out.conversation_id is not None and sample.index == 0:
-            upto = min(n, 1)  # only its start (and its finish, below)
+            count = n
+        elif delta.conversation_id is not None and sample.index == 0:
+            count = 1 if sample.token_offset == 0 and n else 0  # token 0 only
         else:
             return []
         finish = sample.finish_reason
         entries = [
             ReadoutEntry(
                 replica=self.replica_id,
-                request_id=out.request_id,
+                request_id=delta.request_id,
                 sample=sample.index,
-                token=i,
-                scores=dict(sample.readouts[i])
-                if sample.readouts is not None and i < len(sample.readouts)
-                else {},
-                conversation_id=out.conversation_id,
+                token=sample.token_offset + i,
+                scores=dict(sample.readouts[i]) if sample.readouts is not None else {},
+                conversation_id=delta.conversation_id,
                 finish_reason=finish if i == n - 1 else None,
             )
-            for i in range(done, upto)
+            for i in range(count)
         ]
-        if finish is not None:
-            if not entries or entries[-1].finish_reason is None:  # no token carried it
-                entries.append(
-                    ReadoutEntry(
-                        replica=self.replica_id,
-                        request_id=out.request_id,
-                        sample=sample.index,
-                        token=None,
-                        conversation_id=out.conversation_id,
-                        finish_reason=finish,
-                    )
+        if finish is not None and (not entries or entries[-1].finish_reason is None):
+            entries.append(  # no token carried it
+                ReadoutEntry(
+                    replica=self.replica_id,
+                    request_id=delta.request_id,
+                    sample=sample.index,
+                    token=None,
+                    conversation_id=delta.conversation_id,
+                    finish_reason=finish,
                 )
-            self._published_upto.pop(key, None)
-        elif upto > done:
-            self._published_upto[key] = upto
-            self._published_upto.move_to_end(key)
-            if len(self._published_upto) > _MAX_TRACKED_SAMPLES:
-                self._published_upto.popitem(last=False)
+            )
         return entries
 
     # -- background threads --------------------------------------------------------------

@@ -1,9 +1,10 @@
 """`AsyncLLM`: the engine behind an asyncio API, for streaming servers.
 
 The engine steps in one background thread (a model forward blocks); each request's
-outputs are handed to whoever asked for them: an asyncio caller of `generate()`, or any
-thread through `submit()`'s callback. Listeners see every step's outputs (the async
-controller's read-out publisher is one).
+deltas are handed to whoever asked for them: an asyncio caller of `generate()` (one
+`call_soon_threadsafe` per event loop per step, however many of its requests the step
+advanced), or any thread through `submit()`'s callback. Listeners see every step's deltas
+(the async controller's read-out publisher is one).
 
 String prompts are tokenized before they reach the engine thread (in a worker thread for
 `generate`, in the caller's thread for `submit`): tokenizing a long prompt takes a while,
@@ -24,13 +25,23 @@ from typing import Any
 
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine, Prompt
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import RequestDelta
 from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Deliver = Callable[[RequestOutput | BaseException], None]
-Listener = Callable[[list[RequestOutput]], None]
+Deliver = Callable[[RequestDelta | BaseException], None]
+Listener = Callable[[list[RequestDelta]], None]
+
+
+class _Stream:
+    """Where a `generate` caller's deltas go: its event loop's queue."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
 
 
 class AsyncLLM:
@@ -49,7 +60,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()  # engine calls: add/abort from callers, step from the loop
         self._wake = threading.Event()
-        self._deliver: dict[str, Deliver] = {}
+        self._deliver: dict[str, Deliver | _Stream] = {}
         # Requests to admit and aborts, handed to the engine thread (see `_enqueue`).
         self._inbox_lock = threading.Lock()
         self._admissions: deque[tuple] = deque()
@@ -67,7 +78,7 @@ class AsyncLLM:
         params: SamplingParams | None,
         deliver: Deliver,
     ) -> None:
-        """Queue a request whose outputs (or the step's failure) go to `deliver`, called in the
+        """Queue a request whose deltas (or the step's failure) go to `deliver`, called in the
         engine thread after each step that advanced it. Bad input raises here. Waits for the
         engine lock, so call it from a worker thread, never from an event loop (`generate`
         hands admission to the engine thread instead)."""
@@ -85,7 +96,7 @@ class AsyncLLM:
         prompt: Prompt,
         text: str | None,
         params: SamplingParams | None,
-        deliver: Deliver,
+        deliver: Deliver | _Stream,
     ) -> None:
         """Add a request to the engine under its lock. `text`: what token-id `prompt` was
         encoded from, kept on the request so its outputs report it."""
@@ -101,7 +112,7 @@ class AsyncLLM:
         prompt: Prompt,
         text: str | None,
         params: SamplingParams | None,
-        deliver: Deliver,
+        deliver: Deliver | _Stream,
     ) -> concurrent.futures.Future:
         """Hand a request to the engine thread, which admits it between steps. Admission
         (resolving steering, patches, captures) never runs on a caller's thread, so an
@@ -121,8 +132,9 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         prompt_text: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after each step; the last one has `finished=True`.
+    ) -> AsyncIterator[RequestDelta]:
+        """Yield what each step added to the request; the last delta has `finished=True`.
+        (`OutputAccumulator` adds them up, for a caller that wants the whole output.)
 
         A string prompt is tokenized in a worker thread. `prompt_text`: the text a token-id
         `prompt` was encoded from (a caller that tokenized it already), for the outputs.
@@ -131,29 +143,28 @@ class AsyncLLM:
         request and frees its KV blocks.
         """
         rid = request_id or f"async-{next(self._ids)}"
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def deliver(item: RequestOutput | BaseException) -> None:
-            if not loop.is_closed():  # the caller's loop may be gone (its stream with it)
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-
+        stream = _Stream(asyncio.get_running_loop())
         if isinstance(prompt, str):
             prompt_text, prompt = prompt, await asyncio.to_thread(self.tokenizer.encode, prompt)
-        admitted = self._enqueue(rid, prompt, prompt_text, params, deliver)
+        admitted = self._enqueue(rid, prompt, prompt_text, params, stream)
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:  # gone before admission: abort once it is admitted
             admitted.add_done_callback(lambda f: f.exception() or self.abort_soon(rid))
             raise
         finished = False
+        queue = stream.queue
         try:
             while not finished:
                 item = await queue.get()
-                # Under load the reader falls behind the engine: outputs are cumulative, so
-                # one message with the newest state replaces all those waiting.
+                # Under load the reader falls behind the engine: one delta saying what all
+                # the waiting ones did replaces them.
                 while not isinstance(item, BaseException) and not queue.empty():
-                    item = queue.get_nowait()
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        item = later
+                    else:
+                        item.merge(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -170,19 +181,15 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its stream (if anyone still reads it) ends with the aborted
-        final output, so a caller aborting another caller's request never leaves it waiting."""
+        final delta, so a caller aborting another caller's request never leaves it waiting."""
         with self._lock:
-            deliver = self._deliver.pop(request_id, None)
             final = self.engine.abort(request_id) if request_id in self.engine.requests else None
-        if deliver is not None and final is not None:
-            try:
-                deliver(final)
-            except Exception:
-                log.exception("delivering the aborted output of %s failed", request_id)
+            if final is not None:
+                self._emit([final])
 
     def add_listener(self, listener: Listener) -> None:
-        """Call `listener(outputs)` in the engine thread after every step that produced
-        outputs. It must be quick and must not raise (errors are logged and ignored)."""
+        """Call `listener(deltas)` in the engine thread after every step that produced
+        deltas. It must be quick and must not raise (errors are logged and ignored)."""
         self._listeners.append(listener)
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -193,16 +200,27 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self.call(LLMEngine.stats)
 
-    def _emit(self, rid: str, item: RequestOutput | BaseException) -> None:
-        deliver = self._deliver.get(rid)
-        if deliver is None:
-            return
-        if isinstance(item, BaseException) or item.finished:
-            self._deliver.pop(rid, None)
-        try:
-            deliver(item)
-        except Exception:
-            log.exception("delivering output of %s failed", rid)
+    def _emit(self, items: list[RequestDelta], failure: BaseException | None = None) -> None:
+        """Hand each delta (or, for each request of `items`, `failure`) to whoever waits for
+        it: callbacks now, `generate` streams with one wake-up of each event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for delta in items:
+            rid = delta.request_id
+            last = failure is not None or delta.finished
+            target = self._deliver.pop(rid, None) if last else self._deliver.get(rid)
+            if target is None:
+                continue
+            item = failure or delta
+            if isinstance(target, _Stream):
+                by_loop.setdefault(target.loop, []).append((target.queue, item))
+                continue
+            try:
+                target(item)
+            except Exception:
+                log.exception("delivering output of %s failed", rid)
+        for loop, batch in by_loop.items():
+            if not loop.is_closed():  # a caller's loop may be gone (its streams with it)
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def _drain_inbox(self) -> None:
         """Admit queued requests and apply queued aborts, between steps (engine thread)."""
@@ -232,14 +250,10 @@ class AsyncLLM:
             except Exception as e:  # a bug, not bad input: fail what was in flight, keep serving
                 log.exception("engine step failed")
                 with self._lock:
-                    rids = list(self.engine.requests)
-                    for rid in rids:
-                        self.engine.abort(rid)
-                for rid in rids:
-                    self._emit(rid, RuntimeError(f"engine step failed: {e}"))
+                    failed = [self.engine.abort(rid) for rid in list(self.engine.requests)]
+                self._emit(failed, RuntimeError(f"engine step failed: {e}"))
                 continue
-            for out in outputs:
-                self._emit(out.request_id, out)
+            self._emit(outputs)
             for listener in self._listeners:
                 try:
                     listener(outputs)
@@ -254,3 +268,8 @@ class AsyncLLM:
             for *_, admitted in self._admissions:
                 admitted.set_exception(RuntimeError("AsyncLLM is shut down"))
             self._admissions.clear()
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestDelta | BaseException]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

@@ -10,7 +10,7 @@ from typing import Any
 from services.common.errors import InvalidRequestError
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine, Prompt
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import OutputAccumulator, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 
@@ -74,6 +74,7 @@ class LLM:
                     self.engine.abort(queued)
                 raise type(e)(f"prompt {i}: {e}") from None
             rids.append(rid)
+        totals = OutputAccumulator()
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -81,11 +82,10 @@ class LLM:
 
             bar = tqdm(total=len(rids), desc="generate", unit="req")
         while len(final) < len(rids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+            for out in totals.finished(self.engine.step()):
+                final[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
         return [final[r] for r in rids]

@@ -39,7 +39,7 @@ from services.engine.model_runner import (
     make_attention_backend,
     resolve_device_dtype,
 )
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.outputs import CompletionDelta, RequestDelta
 from services.engine.parallel import SINGLE_PROCESS, ParallelContext
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
@@ -240,19 +240,19 @@ class LLMEngine:
         self.interventions.add(group)
         self.scheduler.add(group)
 
-    def abort(self, request_id: str) -> RequestOutput:
-        """Stop a request now and free its blocks; returns its final output."""
+    def abort(self, request_id: str) -> RequestDelta:
+        """Stop a request now and free its blocks; returns its final delta."""
         group = self.requests.pop(request_id, None)
         if group is None:
             raise RequestNotFoundError(f"no unfinished request with id {request_id!r}")
         for seq in group.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        output = self._output(group)
+        final = self._delta(group)
         self.interventions.release(group)
         if self.sync is not None:
             self.sync.record("abort", request_id)
-        return output
+        return final
 
     def _bind_adapter(self, group: RequestGroup) -> None:
         params = group.params
@@ -319,8 +319,9 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the output of every request it advanced.
+    def step(self) -> list[RequestDelta]:
+        """Run one engine step; return a delta for every request it advanced (what the step
+        added: `OutputAccumulator` turns deltas into totals).
 
         When nothing intervenes (and the replica is one process), steps overlap as in
         vLLM's async scheduling: the step launched here runs on the device while the host
@@ -334,7 +335,7 @@ class LLMEngine:
             with self.sync.lock:
                 self.interventions.apply_actions(self.sync.exchange(self))
         overlap = self._can_overlap()
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestDelta] = []
         if not overlap:
             outputs += self._drain()
         sched = self.scheduler.schedule()
@@ -375,7 +376,7 @@ class LLMEngine:
             and self.interventions.idle()
         )
 
-    def _drain(self) -> list[RequestOutput]:
+    def _drain(self) -> list[RequestDelta]:
         """Accept the tokens of the step in flight, if any."""
         if self._in_flight is None:
             return []
@@ -397,8 +398,8 @@ class LLMEngine:
             ):
                 seq.final_pending = True
 
-    def _accept(self, sched: Any, result: Any, report: Any) -> list[RequestOutput]:
-        """Take a finished step's tokens into its sequences; outputs of the requests it
+    def _accept(self, sched: Any, result: Any, report: Any) -> list[RequestDelta]:
+        """Take a finished step's tokens into its sequences; deltas of the requests it
         advanced."""
         self.scheduler.publish(sched)
         touched: dict[str, RequestGroup] = {}
@@ -428,7 +429,7 @@ class LLMEngine:
             self._append_token(seq, token, result.logprobs[i], readouts)
         outputs = []
         for rid, group in touched.items():
-            outputs.append(self._output(group))
+            outputs.append(self._delta(group))
             if group.is_finished:
                 self.requests.pop(rid, None)
                 self.interventions.release(group)
@@ -452,10 +453,10 @@ class LLMEngine:
         else:
             seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprobs or {})
-        if seq.group.params.readouts:
-            seq.readouts.append(readouts or {})
+        if seq.unsent_logprobs is not None:
+            seq.unsent_logprobs.append(logprobs or {})
+        if seq.unsent_readouts is not None:
+            seq.unsent_readouts.append(readouts or {})
         params = seq.group.params
         prev_len = len(seq.text)
         seq.text += self._decode_increment(seq)
@@ -502,37 +503,59 @@ class LLMEngine:
                 return True
         return False
 
-    def _output(self, group: RequestGroup) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=seq.generated_ids,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                readouts=list(seq.readouts) if group.params.readouts else None,
+    def _delta(self, group: RequestGroup) -> RequestDelta:
+        """What `group` did since its last delta (and marks it sent).
+
+        Text a stop string could still cut is held back until its sample ends (the stop
+        string's length less one), so no delta's text is ever taken back: a stop string
+        found now starts at or after `prev_len - longest + 1` (`_check_stop_strings`), and
+        everything sent so far ends at or before that.
+        """
+        hold = max(map(len, group.params.stop), default=1) - 1
+        samples = []
+        for seq in group.seqs:
+            generated = seq.num_generated
+            done = seq.is_finished
+            if generated == seq.num_sent_tokens and (not done or seq.finish_sent):
+                continue
+            text_end = len(seq.text) if done else max(seq.num_sent_chars, len(seq.text) - hold)
+            start = seq.num_prompt_tokens + seq.num_sent_tokens
+            samples.append(
+                CompletionDelta(
+                    index=seq.index,
+                    token_offset=seq.num_sent_tokens,
+                    token_ids=seq.token_ids[start : seq.num_prompt_tokens + generated],
+                    text=seq.text[seq.num_sent_chars : text_end],
+                    logprobs=_take(seq, "unsent_logprobs"),
+                    readouts=_take(seq, "unsent_readouts"),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
             )
-            for seq in group.seqs
-        ]
-        captured = self.interventions.captures(group) if group.is_finished else None
-        iv = group.interventions
-        return RequestOutput(
+            seq.num_sent_tokens, seq.num_sent_chars, seq.finish_sent = generated, text_end, done
+        delta = RequestDelta(
             request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
+            samples=samples,
             finished=group.is_finished,
             num_cached_tokens=group.num_cached_tokens or 0,
-            prompt_logprobs=list(group.prompt_logprobs)
-            if group.prompt_logprobs is not None
-            else None,
-            captures=captured[0] if captured else ({} if group.params.capture else None),
-            capture_positions=captured[1] if captured else ([] if group.params.capture else None),
-            capture_run=iv.capture_run if iv is not None else None,
-            capture_error=iv.capture_error if iv is not None else None,
             conversation_id=group.params.conversation_id,
         )
+        if not group.announced:
+            group.announced = True
+            delta.prompt, delta.prompt_token_ids = group.prompt, group.prompt_token_ids
+        if group.prompt_logprobs is not None:
+            delta.prompt_logprobs = group.prompt_logprobs[group.num_sent_prompt_logprobs :]
+            group.num_sent_prompt_logprobs = len(group.prompt_logprobs)
+        if group.is_finished:
+            captured = self.interventions.captures(group)
+            if captured:
+                delta.captures, delta.capture_positions = captured
+            elif group.params.capture:
+                delta.captures, delta.capture_positions = {}, []
+            iv = group.interventions
+            if iv is not None:
+                delta.capture_run, delta.capture_error = iv.capture_run, iv.capture_error
+        return delta
 
     # -- steering control -----------------------------------------------------------------
 
@@ -585,3 +608,11 @@ class LLMEngine:
             "num_eager_steps": self.runner.num_eager_steps,
             "config": asdict(self.config),
         }
+
+
+def _take(seq: Sequence, name: str) -> list | None:
+    """`seq.<name>` (a list of what accepted tokens carry), emptied on `seq`."""
+    items = getattr(seq, name)
+    if items is not None:
+        setattr(seq, name, [])
+    return items

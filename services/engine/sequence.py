@@ -43,13 +43,18 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hashes of this sequence's full, computed blocks
         self.status = SeqStatus.WAITING if index == 0 else SeqStatus.PENDING_FORK
-        self.logprobs: list[dict[int, float]] | None = (
-            [] if group.params.logprobs is not None or group.params.logprob_token_ids else None
-        )
-        self.readouts: list[dict[str, float]] = []  # per generated token, when asked for
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
+        # What the engine's deltas have sent of this sample (see `LLMEngine._delta`); the
+        # logprobs and read-outs of accepted tokens wait in `unsent_*` until then.
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.finish_sent = False
+        self.unsent_logprobs: list[dict[int, float]] | None = (
+            [] if group.params.logprobs is not None or group.params.logprob_token_ids else None
+        )
+        self.unsent_readouts: list[dict[str, float]] | None = [] if group.params.readouts else None
         # Incremental detokenization window: decode ids[prefix_offset:] and subtract the
         # text of ids[prefix_offset:read_offset]. Starts a few prompt tokens back.
         self.prefix_offset = max(0, self.num_prompt_tokens - 5)
@@ -156,6 +161,8 @@ class RequestGroup:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_sent_prompt_logprobs: int = 0
+    announced: bool = False  # its first delta (with the prompt) has been made
     interventions: Any = None  # RequestInterventions, set by the engine's InterventionManager
     prefill_sig: bytes = b""  # KV signature of prompt positions computed now
     decode_sig: bytes = b""  # KV signature of generated positions computed now

@@ -42,7 +42,7 @@ from services.engine.interventions.sites import SITES
 from services.engine.interventions.spec import parse_steering
 from services.engine.llm_engine import LLMEngine, Prompt
 from services.engine.model.tokenizer import check_unicode
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import RequestDelta
 from services.engine.sampling_params import SamplingParams
 from services.engine.sweep import AsyncLLMDriver, Cell, Sweep, SweepResult, SweepSpec
 
@@ -183,9 +183,9 @@ class EngineService:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's cumulative output after each step that advanced it; the last
-        has `finished=True`. Bad input raises a CoxswainError before anything is yielded.
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """Yield what each step that advanced the request added to it; the last delta has
+        `finished=True`. Bad input raises a CoxswainError before anything is yielded.
         Closing the iterator early (client gone) aborts the request."""
         max_seqs = self.engine.config.max_num_seqs
         if params.n > max_seqs:  # its samples could never all run at once
@@ -395,7 +395,7 @@ class _Throughput:
         )
         self._lock = threading.Lock()
 
-    def on_step(self, _outputs: list[RequestOutput]) -> None:
+    def on_step(self, _outputs: list[RequestDelta]) -> None:
         e = self.engine
         now = self.clock()
         with self._lock:

@@ -27,6 +27,7 @@ from services.common.errors import (
 )
 from services.engine.interventions.sites import SITE_ALIASES, parse_site
 from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import OutputAccumulator
 from services.engine.sampling_params import SamplingParams
 from services.engine.sweep import Metric, Sweep, SweepResult, SweepSpec, skipped_reason
 
@@ -146,9 +147,10 @@ class PatchStudy:
         rid = f"{self._holder}-{uuid.uuid4().hex[:8]}"
         engine.add_request(rid, ids, params)
         try:
+            totals = OutputAccumulator()
             while rid in engine.requests:
-                for out in engine.step():
-                    if out.request_id == rid and out.finished:
+                for out in totals.finished(engine.step()):
+                    if out.request_id == rid:
                         return out
             raise CoxswainError(f"request {rid!r} was aborted before it finished")
         finally:

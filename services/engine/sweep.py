@@ -37,7 +37,7 @@ import numpy as np
 from services.common.errors import CoxswainError, InvalidRequestError, RunNotFoundError
 from services.engine.interventions.sites import parse_site, site_key
 from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import OutputAccumulator, RequestDelta, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ class StepDriver:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self._totals = OutputAccumulator()
         self.foreign_outputs: list[RequestOutput] = []
 
     def start(self) -> None:
@@ -207,12 +208,11 @@ class StepDriver:
                 yield rid, "the request was aborted before it finished"
             if not pending:
                 return
-            for out in engine.step():
+            for out in self._totals.finished(engine.step()):
                 if out.request_id in pending:
-                    if out.finished:
-                        pending.discard(out.request_id)
-                        yield out.request_id, out
-                elif out.finished:
+                    pending.discard(out.request_id)
+                    yield out.request_id, out
+                else:
                     self.foreign_outputs.append(out)
 
     def abort(self, request_id: str) -> None:
@@ -232,17 +232,21 @@ class AsyncLLMDriver:
 
     def __init__(self, llm: AsyncLLM):
         self.llm = llm
+        self._totals = OutputAccumulator()  # touched in the engine thread only
         self._finals: queue.Queue[Final | None] = queue.Queue()
 
     def start(self) -> None:
         pass
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        def deliver(item: RequestOutput | BaseException) -> None:
+        def deliver(item: RequestDelta | BaseException) -> None:
             if isinstance(item, BaseException):
+                self._totals.totals.pop(request_id, None)
                 self._finals.put((request_id, f"{type(item).__name__}: {item}"))
-            elif item.finished:
-                self._finals.put((request_id, item))
+                return
+            total = self._totals.add(item)
+            if total.finished:
+                self._finals.put((request_id, total))
 
         self.llm.submit(request_id, prompt_ids, params, deliver)
 

@@ -6,8 +6,9 @@ Requests go Python -> protobuf in the client (from an already validated `Samplin
 again: the wire never decides what is valid. Vectors and captured activations travel as
 `Tensor` messages (little-endian bytes + dtype + shape, `services.common.wire`'s convention).
 
-Generate streams deltas: `OutputDeltas` (server) turns each cumulative `RequestOutput` into
-what changed since the last message, and `OutputAssembler` (client) adds them back up.
+Generate streams the engine's own deltas: one `RequestDelta` is one `GenerateResponse`
+(`delta_to_proto` / `delta_from_proto`); a client that wants totals adds them up with the
+engine's `OutputAccumulator`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from services.engine.interventions.spec import (
     SteeringSpec,
     SteerVector,
 )
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.outputs import CompletionDelta, RequestDelta
 from services.engine.sampling_params import SamplingParams
 from services.engine.sweep import Cell, SweepResult, SweepSpec
 from services.patch_store.convert import tensor_from_proto, tensor_to_proto
@@ -420,7 +420,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-# -- Generate outputs: cumulative RequestOutput <-> deltas -------------------------------------
+# -- Generate outputs: RequestDelta <-> GenerateResponse -------------------------------------
 
 
 def _logprobs_to_proto(entries: Sequence[Mapping[int, float] | None]) -> pb.LogprobsList:
@@ -439,186 +439,95 @@ def _logprobs_from_proto(msg: pb.Logprobs) -> dict[int, float]:
     return dict(zip(msg.token_ids, msg.logprobs, strict=True))
 
 
-@dataclass
-class _SampleSent:
-    """What the client already has of one sample."""
-
-    num_tokens: int = 0
-    text: str = ""
-    num_logprobs: int = 0
-    num_readouts: int = 0
-    finished: bool = False
-
-
-class OutputDeltas:
-    """Server side of one Generate stream: each `next(out)` is the message that brings a
-    client holding the previous messages up to `out` (a cumulative engine output)."""
-
-    def __init__(self) -> None:
-        self._first = True
-        self._num_prompt_logprobs = 0
-        self._samples: dict[int, _SampleSent] = {}
-
-    def next(self, out: RequestOutput) -> pb.GenerateResponse:
-        msg = pb.GenerateResponse(
-            request_id=out.request_id,
-            finished=out.finished,
-            num_cached_tokens=out.num_cached_tokens,
-            metrics=out.metrics,
-        )
-        if self._first:
-            self._first = False
-            if out.prompt is not None:
-                msg.prompt = out.prompt
-            msg.prompt_token_ids.extend(out.prompt_token_ids)
-            if out.conversation_id is not None:
-                msg.conversation_id = out.conversation_id
-        if out.prompt_logprobs is not None:
-            new = out.prompt_logprobs[self._num_prompt_logprobs :]
-            msg.prompt_logprobs.CopyFrom(_logprobs_to_proto(new))
-            self._num_prompt_logprobs = len(out.prompt_logprobs)
-        for comp in out.outputs:
-            delta = self._sample_delta(comp)
-            if delta is not None:
-                msg.outputs.append(delta)
-        if out.captures is not None:
-            for key, t in out.captures.items():
-                msg.captures.tensors[key].CopyFrom(tensor_to_proto(t))
-            msg.captures.positions.extend(out.capture_positions or [])
-        if out.capture_run is not None:
-            msg.capture_run = out.capture_run
-        if out.capture_error is not None:
-            msg.capture_error = out.capture_error
-        return msg
-
-    def _sample_delta(self, comp: CompletionOutput) -> pb.CompletionDelta | None:
-        is_new = comp.index not in self._samples
-        sent = self._samples.setdefault(comp.index, _SampleSent())
-        new_tokens = comp.token_ids[sent.num_tokens :]
-        text_changed = comp.text != sent.text
-        newly_finished = comp.finished and not sent.finished
-        if not (is_new or new_tokens or text_changed or newly_finished):
-            return None
-        delta = pb.CompletionDelta(index=comp.index, token_ids=new_tokens)
-        if text_changed:
-            # A stop string may cut text already sent: resend from where the two differ.
-            keep = (
-                len(sent.text)
-                if comp.text.startswith(sent.text)
-                else _common_prefix(comp.text, sent.text)
-            )
-            delta.text_offset, delta.text = keep, comp.text[keep:]
-        else:
-            delta.text_offset = len(comp.text)
-        if comp.logprobs is not None:
-            delta.logprobs.CopyFrom(_logprobs_to_proto(comp.logprobs[sent.num_logprobs :]))
-            sent.num_logprobs = len(comp.logprobs)
-        if comp.readouts is not None:
-            delta.readouts.CopyFrom(
-                pb.ReadoutsList(
-                    entries=[pb.Readouts(scores=r) for r in comp.readouts[sent.num_readouts :]]
-                )
-            )
-            sent.num_readouts = len(comp.readouts)
-        if comp.finish_reason is not None:
-            delta.finish_reason = comp.finish_reason
-            if isinstance(comp.stop_reason, int):
-                delta.stop_token_id = comp.stop_reason
-            elif isinstance(comp.stop_reason, str):
-                delta.stop_string = comp.stop_reason
-        sent.num_tokens, sent.text, sent.finished = len(comp.token_ids), comp.text, comp.finished
-        return delta
+def _sample_to_proto(d: CompletionDelta) -> pb.CompletionDelta:
+    msg = pb.CompletionDelta(
+        index=d.index, token_offset=d.token_offset, token_ids=d.token_ids, text=d.text
+    )
+    if d.logprobs is not None:  # present, even empty, iff the request asked for them
+        msg.logprobs.SetInParent()
+        msg.logprobs.CopyFrom(_logprobs_to_proto(d.logprobs))
+    if d.readouts is not None:
+        msg.readouts.SetInParent()
+        msg.readouts.entries.extend(pb.Readouts(scores=r) for r in d.readouts)
+    if d.finish_reason is not None:
+        msg.finish_reason = d.finish_reason
+        if isinstance(d.stop_reason, int):
+            msg.stop_token_id = d.stop_reason
+        elif isinstance(d.stop_reason, str):
+            msg.stop_string = d.stop_reason
+    return msg
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _sample_from_proto(msg: pb.CompletionDelta) -> CompletionDelta:
+    kind = msg.WhichOneof("stop_reason")
+    return CompletionDelta(
+        index=msg.index,
+        token_offset=msg.token_offset,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        logprobs=[_logprobs_from_proto(e) for e in msg.logprobs.entries]
+        if msg.HasField("logprobs")
+        else None,
+        readouts=[dict(e.scores) for e in msg.readouts.entries]
+        if msg.HasField("readouts")
+        else None,
+        finish_reason=msg.finish_reason or None,
+        stop_reason=None if kind is None else getattr(msg, kind),
+    )
 
 
-class OutputAssembler:
-    """Client side of one Generate stream: `apply(msg)` adds a message to the running totals
-    and returns the cumulative `RequestOutput`, as the engine itself would have produced it."""
-
-    def __init__(self) -> None:
-        self.request_id = ""
-        self.prompt: str | None = None
-        self.prompt_token_ids: list[int] = []
-        self.prompt_logprobs: list[dict[int, float] | None] | None = None
-        self.conversation_id: str | None = None
-        self.samples: dict[int, CompletionOutput] = {}
-        self._started = False
-
-    def apply(self, msg: pb.GenerateResponse) -> RequestOutput:
-        if not self._started:
-            self._started = True
-            self.request_id = msg.request_id
-            self.prompt = msg.prompt if msg.HasField("prompt") else None
-            self.prompt_token_ids = list(msg.prompt_token_ids)
-            self.conversation_id = msg.conversation_id if msg.HasField("conversation_id") else None
-        if msg.HasField("prompt_logprobs"):
-            if self.prompt_logprobs is None:
-                self.prompt_logprobs = []
-            self.prompt_logprobs += [
-                _logprobs_from_proto(e) if e.token_ids else None
-                for e in msg.prompt_logprobs.entries
-            ]
-        for delta in msg.outputs:
-            self._apply_sample(delta)
-        captures, positions = None, None
-        if msg.HasField("captures"):
-            captures = {
-                key: tensor_from_proto(t, what=f"capture {key}")
-                for key, t in msg.captures.tensors.items()
-            }
-            positions = list(msg.captures.positions)
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=[_copy_sample(self.samples[i]) for i in sorted(self.samples)],
-            finished=msg.finished,
-            num_cached_tokens=msg.num_cached_tokens,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-            metrics=dict(msg.metrics),
-            captures=captures,
-            capture_positions=positions,
-            capture_run=msg.capture_run if msg.HasField("capture_run") else None,
-            capture_error=msg.capture_error if msg.HasField("capture_error") else None,
-            conversation_id=self.conversation_id,
-        )
-
-    def _apply_sample(self, delta: pb.CompletionDelta) -> None:
-        comp = self.samples.get(delta.index)
-        if comp is None:
-            comp = self.samples[delta.index] = CompletionOutput(
-                index=delta.index, text="", token_ids=[]
-            )
-        comp.token_ids.extend(delta.token_ids)
-        comp.text = comp.text[: delta.text_offset] + delta.text
-        if delta.HasField("logprobs"):
-            if comp.logprobs is None:
-                comp.logprobs = []
-            comp.logprobs.extend(_logprobs_from_proto(e) for e in delta.logprobs.entries)
-        if delta.HasField("readouts"):
-            if comp.readouts is None:
-                comp.readouts = []
-            comp.readouts.extend(dict(e.scores) for e in delta.readouts.entries)
-        if delta.finish_reason:
-            comp.finish_reason = delta.finish_reason
-            kind = delta.WhichOneof("stop_reason")
-            comp.stop_reason = None if kind is None else getattr(delta, kind)
+def delta_to_proto(delta: RequestDelta) -> pb.GenerateResponse:
+    """One engine delta as one message of a Generate stream."""
+    msg = pb.GenerateResponse(
+        request_id=delta.request_id,
+        finished=delta.finished,
+        num_cached_tokens=delta.num_cached_tokens,
+        outputs=[_sample_to_proto(d) for d in delta.samples],
+    )
+    if delta.prompt is not None:
+        msg.prompt = delta.prompt
+    if delta.prompt_token_ids is not None:  # never empty: the engine refuses empty prompts
+        msg.prompt_token_ids.extend(delta.prompt_token_ids)
+    if delta.prompt_logprobs is not None:
+        msg.prompt_logprobs.SetInParent()
+        msg.prompt_logprobs.CopyFrom(_logprobs_to_proto(delta.prompt_logprobs))
+    if delta.captures is not None:
+        msg.captures.SetInParent()
+        for key, t in delta.captures.items():
+            msg.captures.tensors[key].CopyFrom(tensor_to_proto(t))
+        msg.captures.positions.extend(delta.capture_positions or [])
+    for name in ("capture_run", "capture_error", "conversation_id"):
+        if getattr(delta, name) is not None:
+            setattr(msg, name, getattr(delta, name))
+    return msg
 
 
-def _copy_sample(c: CompletionOutput) -> CompletionOutput:
-    """A snapshot: later messages extend the assembler's lists, never a yielded output's."""
-    return replace(
-        c,
-        token_ids=list(c.token_ids),
-        logprobs=None if c.logprobs is None else list(c.logprobs),
-        readouts=None if c.readouts is None else list(c.readouts),
+def delta_from_proto(msg: pb.GenerateResponse) -> RequestDelta:
+    """The engine delta a Generate stream's message carries (the inverse of `delta_to_proto`)."""
+    captures = positions = None
+    if msg.HasField("captures"):
+        captures = {
+            key: tensor_from_proto(t, what=f"capture {key}")
+            for key, t in msg.captures.tensors.items()
+        }
+        positions = list(msg.captures.positions)
+    return RequestDelta(
+        request_id=msg.request_id,
+        samples=[_sample_from_proto(d) for d in msg.outputs],
+        finished=msg.finished,
+        num_cached_tokens=msg.num_cached_tokens,
+        prompt=msg.prompt if msg.HasField("prompt") else None,
+        prompt_token_ids=list(msg.prompt_token_ids) if msg.prompt_token_ids else None,
+        prompt_logprobs=[
+            _logprobs_from_proto(e) if e.token_ids else None for e in msg.prompt_logprobs.entries
+        ]
+        if msg.HasField("prompt_logprobs")
+        else None,
+        captures=captures,
+        capture_positions=positions,
+        capture_run=msg.capture_run if msg.HasField("capture_run") else None,
+        capture_error=msg.capture_error if msg.HasField("capture_error") else None,
+        conversation_id=msg.conversation_id if msg.HasField("conversation_id") else None,
     )
 
 

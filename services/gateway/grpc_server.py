@@ -23,7 +23,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -39,7 +39,7 @@ from services.common.errors import (
     grpc_abort_args,
 )
 from services.common.grpc_serving import check_field_lengths
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.outputs import CompletionDelta, RequestDelta
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import EngineService
 from services.gateway import grpc_convert as convert
@@ -98,21 +98,29 @@ def _rpc(method: _Method) -> _Method:
 
 @dataclass
 class _Streaming:
-    """A Generate call in flight: what its client was last sent, and whether Abort ended it."""
+    """A Generate call in flight: where each sample stands, and whether Abort ended it."""
 
     n: int
-    last: RequestOutput | None = None
+    num_tokens: dict[int, int] = field(default_factory=dict)  # sample -> tokens sent
+    ended: set[int] = field(default_factory=set)  # samples whose finish was sent
+    finished: bool = False
     aborted: bool = False
 
+    def sent(self, delta: RequestDelta) -> None:
+        for d in delta.samples:
+            self.num_tokens[d.index] = d.token_offset + len(d.token_ids)
+            if d.finished:
+                self.ended.add(d.index)
+        self.finished = delta.finished
 
-def _aborted(rid: str, streaming: _Streaming) -> RequestOutput:
-    """The last output of an aborted request: what it had, every unfinished sample "abort"."""
-    last = streaming.last
-    if last is None:  # aborted before its first step
-        samples = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(streaming.n)]
-        last = RequestOutput(rid, None, [], samples, finished=False)
-    outputs = [c if c.finished else replace(c, finish_reason="abort") for c in last.outputs]
-    return replace(last, outputs=outputs, finished=True)
+    def aborted_delta(self, rid: str) -> RequestDelta:
+        """The last delta of an aborted request: every sample not yet ended ends "abort"."""
+        samples = [
+            CompletionDelta(i, self.num_tokens.get(i, 0), [], "", finish_reason="abort")
+            for i in range(self.n)
+            if i not in self.ended
+        ]
+        return RequestDelta(rid, samples, finished=True)
 
 
 class EngineServicer(pb_grpc.EngineServicer):
@@ -145,22 +153,21 @@ class EngineServicer(pb_grpc.EngineServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, rid),))
-        deltas = convert.OutputDeltas()
         try:
             # aclosing: when the client cancels, CancelledError lands in an await below and
             # closing the stream aborts the request (its KV blocks are freed at once).
-            async with aclosing(self.service.generate(prompt, params, rid)) as outputs:  # type: ignore[type-var]
-                async for out in outputs:
-                    streaming.last = out
-                    await context.write(deltas.next(out))
+            async with aclosing(self.service.generate(prompt, params, rid)) as deltas:  # type: ignore[type-var]
+                async for delta in deltas:
+                    streaming.sent(delta)
+                    await context.write(convert.delta_to_proto(delta))
         except (Exception, asyncio.CancelledError):
             # An Abort may end the backend's stream with an error (a cancelled remote
             # stream): the caller asked for that, so it gets the aborted output instead.
             current = asyncio.current_task()
             if not streaming.aborted or (current is not None and current.cancelling()):
                 raise
-        if streaming.aborted and (streaming.last is None or not streaming.last.finished):
-            await context.write(deltas.next(_aborted(rid, streaming)))
+        if streaming.aborted and not streaming.finished:
+            await context.write(convert.delta_to_proto(streaming.aborted_delta(rid)))
 
     def _decode(self, request: pb.GenerateRequest) -> tuple[SamplingParams, convert.EnginePrompt]:
         params = convert.sampling_params_from_proto(request.params)

@@ -58,7 +58,7 @@ from services.gateway.openai_api import (
     prompts_of,
     sampling_params,
 )
-from services.gateway.streaming import RequestGroup, completion_events, sse, sweep_events
+from services.gateway.streaming import EngineRequests, completion_events, sse, sweep_events
 
 DESCRIPTION = """\
 Serve a language model under activation-level control.
@@ -158,16 +158,16 @@ def build_app(
     ) -> Response:
         params = renderer.params
         rid = renderer.id
-        group = RequestGroup(
+        requests = EngineRequests(
             [backend.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
         )
-        await group.open()
+        await requests.open()
         if not body.stream:
-            return JSONResponse(renderer.response(await group.finals()))
+            return JSONResponse(renderer.response(await requests.finals()))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse(
             completion_events(
-                group,
+                requests,
                 renderer.chunk,
                 renderer.first_chunk(len(prompts)),
                 lambda finals: renderer.last_chunk(finals, include_usage),

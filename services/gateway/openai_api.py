@@ -2,7 +2,7 @@
 
 `sampling_params(body)` is the one place a request body becomes `SamplingParams`;
 `Renderer` is the one place engine outputs become response bodies (whole responses and
-stream chunks render the same way: a stream chunk is the tokens since the last one).
+stream chunks render the same way: a stream chunk is one engine delta).
 
 Coxswain's extras ride along in the same bodies: `steering`, `capture`, `patch`,
 `readouts`, `logprob_token_ids` and `conversation_id` in a request (the schemas of
@@ -24,7 +24,7 @@ from services.common.errors import InvalidRequestError
 from services.common.wire import pack_tensor
 from services.engine.interventions.spec import CaptureSpec, PatchEntry, Readout, SteeringSpec
 from services.engine.model.tokenizer import Tokenizer, check_unicode
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestOutput
 from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128  # samples per prompt; more than a batch holds is never what a client meant
@@ -392,10 +392,8 @@ def _finite(x: float | None) -> float | None:
 
 @dataclass
 class _Cursor:
-    """How much of one choice a stream has already sent."""
+    """Where one choice of a stream stands."""
 
-    tokens: int = 0
-    chars: int = 0  # of the text (which a stop string may hold back)
     token_chars: int = 0  # of the tokens' own text, for `text_offset`
     started: bool = False
     done: bool = False
@@ -475,11 +473,11 @@ class Renderer:
 
     # -- streams --------------------------------------------------------------------------
 
-    def chunk(self, prompt_index: int, out: RequestOutput) -> dict | None:
-        """A stream chunk with what `out` added to its choices since the last chunk (None when
-        nothing new can be sent yet)."""
+    def chunk(self, prompt_index: int, delta: RequestDelta) -> dict | None:
+        """A stream chunk with what `delta` added to its choices (None when it added
+        nothing to send)."""
         choices = []
-        for comp in out.outputs:
+        for comp in delta.samples:
             index = prompt_index * self.n + comp.index
             cursor = self._cursors.setdefault(index, _Cursor())
             if cursor.done:
@@ -526,32 +524,26 @@ class Renderer:
     def _choice(
         self,
         prompt_index: int,
-        comp: CompletionOutput,
+        comp: CompletionOutput | CompletionDelta,
         cursor: _Cursor,
         *,
         final: bool,
         stream: bool,
     ) -> tuple[dict, bool]:
-        """The choice body for tokens/text past `cursor` (advanced); whether anything moved."""
+        """The choice body for a whole sample or a stream's delta of one (`cursor` advanced);
+        whether anything moved."""
         index = prompt_index * self.n + comp.index
-        # Text a stop string may still cut is held back until the sample ends.
-        hold = 0 if final else max((len(s) for s in self.params.stop), default=1) - 1
-        text_end = max(cursor.chars, len(comp.text) - hold)
-        text = comp.text[cursor.chars : text_end]
-        ids = comp.token_ids[cursor.tokens :]
-        first = cursor.tokens
+        text, ids, lps = comp.text, comp.token_ids, comp.logprobs
         if self.echo_prompts is not None and not cursor.started:  # echo opens the choice
             text = self.echo_prompts[prompt_index] + text
         moved = bool(text or ids or final)
-        cursor.tokens, cursor.chars, cursor.done = len(comp.token_ids), text_end, final
-        cursor.started = True
-        lps = comp.logprobs[first:] if comp.logprobs is not None else None
+        cursor.done, cursor.started = final, True
         extras = {
             "prompt_index": prompt_index,
             "token_ids": ids,
             "readouts": None
             if comp.readouts is None
-            else [{k: _finite(v) for k, v in r.items()} for r in comp.readouts[first:]],
+            else [{k: _finite(v) for k, v in r.items()} for r in comp.readouts],
             "requested_logprobs": None
             if not self.params.logprob_token_ids or lps is None
             else [{str(t): _finite(d.get(t)) for t in self.params.logprob_token_ids} for d in lps],

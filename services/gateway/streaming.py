@@ -19,7 +19,7 @@ import anyio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from services.common.errors import CoxswainError
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import OutputAccumulator, RequestDelta, RequestOutput
 from services.gateway.http_errors import error_body
 
 PING_S = 15  # keep-alive comments on long streams (proxies drop idle connections)
@@ -42,17 +42,17 @@ def error_event(exc: BaseException, event: str | None = None) -> ServerSentEvent
     return ServerSentEvent(_json(body), event=event)
 
 
-class RequestGroup:
+class EngineRequests:
     """The engine requests of one API request: `open()` submits them all (raising the first
-    error after aborting the rest), `finals()` / `merged()` read them, `close()` aborts
-    whatever is unfinished."""
+    error after aborting the rest), `finals()` / `merged()` read their delta streams,
+    `close()` aborts whatever is unfinished."""
 
-    def __init__(self, streams: list[AsyncGenerator[RequestOutput, None]]):
+    def __init__(self, streams: list[AsyncGenerator[RequestDelta, None]]):
         self.streams = streams
-        self.firsts: list[RequestOutput] = []
+        self.firsts: list[RequestDelta] = []
 
     async def open(self) -> None:
-        """Submit every request and wait for its first output (the first step it ran in)."""
+        """Submit every request and wait for its first delta (the first step it ran in)."""
         results = await asyncio.gather(*(anext(s) for s in self.streams), return_exceptions=True)
         for i, r in enumerate(results):
             if isinstance(r, BaseException):
@@ -63,29 +63,30 @@ class RequestGroup:
         self.firsts = list(results)  # type: ignore[arg-type]
 
     async def finals(self) -> list[RequestOutput]:
-        """Every request's final output, in prompt order. (Reading them one after another
-        costs nothing: the engine runs them all at once and their outputs queue up.)"""
+        """Every request's whole output, in prompt order. (Reading them one after another
+        costs nothing: the engine runs them all at once and their deltas queue up.)"""
         finals = []
         try:
-            for out, stream in zip(self.firsts, self.streams, strict=True):
-                while not out.finished:
-                    out = await anext(stream)
-                finals.append(out)
+            for first, stream in zip(self.firsts, self.streams, strict=True):
+                total = RequestOutput.start(first)
+                while not total.finished:
+                    total.add(await anext(stream))
+                finals.append(total)
         finally:
             await self.close()
         return finals
 
-    async def merged(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """(prompt index, output) as outputs arrive, the first ones included."""
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+    async def merged(self) -> AsyncGenerator[tuple[int, RequestDelta], None]:
+        """(prompt index, delta) as deltas arrive, the first ones included."""
+        queue: asyncio.Queue[tuple[int, RequestDelta | BaseException]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
-            out = self.firsts[i]
-            await queue.put((i, out))
+            delta = self.firsts[i]
+            await queue.put((i, delta))
             try:
-                while not out.finished:
-                    out = await anext(self.streams[i])
-                    await queue.put((i, out))
+                while not delta.finished:
+                    delta = await anext(self.streams[i])
+                    await queue.put((i, delta))
             except Exception as exc:  # the engine failed the request: tell the reader
                 await queue.put((i, exc))
 
@@ -112,24 +113,27 @@ class RequestGroup:
 
 
 async def completion_events(
-    group: RequestGroup,
-    render_chunk: Callable[[int, RequestOutput], dict | None],
+    requests: EngineRequests,
+    render_chunk: Callable[[int, RequestDelta], dict | None],
     opening: dict | None,
     closing: Callable[[list[RequestOutput]], dict | None],
 ) -> AsyncIterator[ServerSentEvent]:
-    """OpenAI stream events: `opening`, a chunk per step with news, `closing`, `[DONE]`."""
+    """OpenAI stream events: `opening`, a chunk per delta with news, `closing` (given every
+    request's whole output), `[DONE]`."""
     try:
         if opening is not None:
             yield ServerSentEvent(_json(opening))
-        finals: list[RequestOutput | None] = [None] * len(group.streams)
+        totals = OutputAccumulator()
+        finals: list[RequestOutput | None] = [None] * len(requests.streams)
         try:
-            async with aclosing(group.merged()) as outputs:
-                async for i, out in outputs:
-                    chunk = render_chunk(i, out)
+            async with aclosing(requests.merged()) as deltas:
+                async for i, delta in deltas:
+                    chunk = render_chunk(i, delta)
                     if chunk is not None:
                         yield ServerSentEvent(_json(chunk))
-                    if out.finished:
-                        finals[i] = out
+                    total = totals.add(delta)
+                    if total.finished:
+                        finals[i] = total
         except Exception as exc:
             yield error_event(exc)
         else:
@@ -138,7 +142,7 @@ async def completion_events(
                 yield ServerSentEvent(_json(last))
         yield ServerSentEvent("[DONE]")
     finally:
-        await group.close()
+        await requests.close()
 
 
 async def sweep_events(

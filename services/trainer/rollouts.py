@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.engine import EngineConfig, LLMEngine, SamplingParams
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import OutputAccumulator, RequestOutput
 from services.trainer.envs import Grade, make_env
 
 POLICY = "policy"
@@ -81,11 +81,11 @@ class RolloutEngine:
             rid = f"rollout-{self._ids}"
             self.engine.add_request(rid, prompt, params)
             rids.append(rid)
+        totals = OutputAccumulator()
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+            for out in totals.finished(self.engine.step()):
+                done[out.request_id] = out
         return [done[r] for r in rids]
 
     def rollouts(

@@ -23,6 +23,7 @@ from PIL import Image
 
 from services.common.auth import ApiKey, ApiKeys
 from services.engine.interventions.actions import SteeringMonitorUpdate, SteeringScaleUpdate
+from services.engine.outputs import OutputAccumulator
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import EngineService
 from services.gateway.dashboard import (
@@ -70,7 +71,8 @@ class Served:
 
 
 async def _finish(backend: EngineService, prompt, params: SamplingParams):
-    outputs = [out async for out in backend.generate(prompt, params)]
+    totals = OutputAccumulator()
+    outputs = [totals.add(delta) async for delta in backend.generate(prompt, params)]
     return outputs[-1]
 
 

@@ -72,6 +72,6 @@ def test_a_reused_request_id_is_refused_and_abort_ends_the_original(grpc_client)
     with pytest.raises(DuplicateRequestError):
         grpc_client.complete(PROMPT, request_id="e2e-held", max_tokens=2)
     grpc_client.abort("e2e-held")
-    *_, final = stream  # ends normally: no ServiceUnavailableError
-    assert final.finished and final.outputs[0].finish_reason == "abort"
-    assert len(final.outputs[0].token_ids) < 400
+    *_, last = stream  # ends normally: no ServiceUnavailableError
+    assert last.finished and last.samples[0].finish_reason == "abort"
+    assert last.samples[0].token_offset + len(last.samples[0].token_ids) < 400

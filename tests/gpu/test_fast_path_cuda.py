@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from tests.staggered import run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -27,13 +27,13 @@ def _run(path, dtype: str, eager: bool, params: SamplingParams):
     engine = LLMEngine(path, cfg)
     outs = {}
     pending = list(enumerate(_prompts()))
+    totals = OutputAccumulator()
     while pending or engine.has_unfinished_requests():
         if pending:  # staggered: batch sizes change every step, across graph buckets
             i, p = pending.pop(0)
             engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out.outputs[0]
+        for out in totals.finished(engine.step()):
+            outs[out.request_id] = out.outputs[0]
     return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats()
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.common.errors import InvalidRequestError, NotFoundError
-from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.engine.adapters import svd_basis
 from tests.oracle import hf_model
 
@@ -86,10 +86,10 @@ def _run(engine, params: list[SamplingParams]):
     for i, p in enumerate(params):
         engine.add_request(f"r{i}-{id(p)}", PROMPT, p)
     done = {}
+    totals = OutputAccumulator()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        for out in totals.finished(engine.step()):
+            done[out.request_id] = out
     return [done[f"r{i}-{id(p)}"] for i, p in enumerate(params)]
 
 

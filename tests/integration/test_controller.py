@@ -32,7 +32,7 @@ from services.controller.messages import (
     encode_entry,
 )
 from services.controller.redis_server import RedisServer
-from services.engine import AsyncLLM, EngineConfig, LLMEngine, SamplingParams
+from services.engine import AsyncLLM, EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.engine.interventions.actions import (
     SteeringMonitorUpdate,
     SteeringScaleUpdate,
@@ -130,8 +130,9 @@ def readouts(probe: list[float]) -> list[dict]:
 def generate(llm: AsyncLLM, prompt_ids, sampling: SamplingParams, request_id: str):
     async def run():
         last = None
-        async for out in llm.generate(prompt_ids, sampling, request_id=request_id):
-            last = out
+        totals = OutputAccumulator()
+        async for delta in llm.generate(prompt_ids, sampling, request_id=request_id):
+            last = totals.add(delta)
         return last
 
     return asyncio.run(run())
@@ -175,9 +176,11 @@ class HoldForActions:
 
     def __call__(self, outputs) -> None:
         for out in outputs:
+            sample = out.samples[0] if out.samples else None
             if (
                 out.request_id == self.request_id
-                and len(out.outputs[0].token_ids) == self.token + 1
+                and sample is not None
+                and sample.token_offset <= self.token < sample.token_offset + len(sample.token_ids)
             ):
                 deadline = time.monotonic() + TIMEOUT_S
                 # in the engine thread, between steps: the snapshot is safe to read here
@@ -209,10 +212,10 @@ def reference(path, prompt_ids, sampling: SamplingParams, step: int, actions) ->
     engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"))
     engine.add_consumer(AtStep(step, actions))
     engine.add_request("ref", prompt_ids, sampling)
-    out = None
+    totals = OutputAccumulator()
     while engine.has_unfinished_requests():
         for o in engine.step():
-            out = o
+            out = totals.add(o)
     return logprobs(out)
 
 
@@ -487,8 +490,9 @@ def test_every_readout_of_a_burst_is_published(llm, link, rdb):
         async def one(i):
             last = None
             sampling = params(readouts=probe, conversation_id=f"talk-{i}")
-            async for out in llm.generate(prompt(100 + i), sampling, request_id=f"burst-{i}"):
-                last = out
+            totals = OutputAccumulator()
+            async for delta in llm.generate(prompt(100 + i), sampling, request_id=f"burst-{i}"):
+                last = totals.add(delta)
             return last
 
         return await asyncio.gather(*(one(i) for i in range(6)))

@@ -13,6 +13,7 @@ import pytest
 
 from services.common.net import free_port
 from services.controller.redis_server import RedisServer
+from services.engine.outputs import OutputAccumulator
 
 ray = pytest.importorskip("ray")
 
@@ -56,8 +57,9 @@ class LinkedEngine:
             readouts=[{"probe": probe, "layer": 0, "name": "p"}],
         )
         last = None
-        async for out in self.llm.generate([5, 6, 7, 8], params, request_id="m-1"):
-            last = out
+        totals = OutputAccumulator()
+        async for delta in self.llm.generate([5, 6, 7, 8], params, request_id="m-1"):
+            last = totals.add(delta)
         return len(last.outputs[0].token_ids)
 
     def counters(self) -> dict:

@@ -10,7 +10,7 @@ import pytest
 from services.controller.controller import Controller
 from services.controller.engine_link import EngineLink
 from services.controller.redis_server import RedisServer
-from services.engine import AsyncLLM
+from services.engine import AsyncLLM, OutputAccumulator
 from tests.integration.test_controller import (
     GEN,
     TIMEOUT_S,
@@ -91,8 +91,9 @@ def test_engine_serves_through_a_redis_outage_and_the_loop_resumes(cluster):
         async def one(i):
             last = None
             sampling = params(readouts=readouts(vec(8)), conversation_id=f"down-{i}")
-            async for out in llm.generate(prompt(20 + i), sampling, request_id=f"down-{i}"):
-                last = out
+            totals = OutputAccumulator()
+            async for delta in llm.generate(prompt(20 + i), sampling, request_id=f"down-{i}"):
+                last = totals.add(delta)
             return last
 
         return await asyncio.gather(*(one(i) for i in range(3)))

@@ -5,7 +5,6 @@ checkpoint (logprobs, captured tensors, sweep cells), plus auth, errors and canc
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 
@@ -27,8 +26,8 @@ from services.common.errors import (
     RunNotFoundError,
     UnauthenticatedError,
 )
-from services.engine import LLM, SamplingParams
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine import LLM, OutputAccumulator, SamplingParams
+from services.engine.outputs import CompletionDelta, RequestDelta, RequestOutput
 from services.engine.service import EngineService
 from services.engine.sweep import Cell, Sweep, SweepResult, SweepSpec
 from services.gateway import grpc_convert as convert
@@ -155,18 +154,20 @@ def test_model_info_describes_the_served_model(client, path):
     assert (info["dtype"], info["device"]) == ("float32", "cpu")
 
 
-def test_the_stream_grows_with_every_message_and_matches_offline(client, offline):
-    outs = list(client.generate(PROMPT, **GREEDY))
+def test_the_stream_carries_each_steps_tokens_once_and_adds_up_to_offline(client, offline):
+    deltas = list(client.generate(PROMPT, **GREEDY))
     want = offline.generate([PROMPT], SamplingParams(**GREEDY))[0]
-    # One message per step, or fewer carrying several tokens when the reader falls behind.
-    lens = [len(o.outputs[0].token_ids) for o in outs]
-    assert lens == sorted(set(lens)) and lens[0] >= 1 and lens[-1] == 4
-    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
-    for earlier, later in itertools.pairwise(outs):
-        assert later.outputs[0].token_ids[: len(earlier.outputs[0].token_ids)] == (
-            earlier.outputs[0].token_ids
-        )
-    final = outs[-1]
+    # One message per step, or fewer carrying several tokens when the reader falls behind;
+    # each carries only what is new, placed by its offset.
+    offsets = [d.samples[0].token_offset for d in deltas]
+    sizes = [len(d.samples[0].token_ids) for d in deltas]
+    assert all(n >= 1 for n in sizes) and sum(sizes) == 4
+    assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[0].prompt_token_ids == PROMPT
+    assert all(d.prompt_token_ids is None for d in deltas[1:])  # the first message only
+    totals = OutputAccumulator()
+    final = [totals.add(d) for d in deltas][-1]
     _assert_same_logprobs(final, want)
     assert final.outputs[0].text == want.outputs[0].text
     assert final.outputs[0].finish_reason == "length"
@@ -483,9 +484,9 @@ def test_abort_from_another_call_ends_the_stream_with_finish_reason_abort(served
     stream = client.generate(PROMPT, request_id="grpc-abort-me", max_tokens=400, ignore_eos=True)
     assert next(stream).request_id == "grpc-abort-me"
     client.abort("grpc-abort-me")
-    *_, final = stream
-    assert final.finished and final.outputs[0].finish_reason == "abort"
-    assert len(final.outputs[0].token_ids) < 400
+    *_, last = stream
+    assert last.finished and last.samples[0].finish_reason == "abort"
+    assert last.samples[0].token_offset + len(last.samples[0].token_ids) < 400
     assert served.idle()
 
 
@@ -519,33 +520,38 @@ def test_the_async_client_gives_the_same_results(served, client):
     _assert_same_logprobs(out, client.complete(PROMPT, **GREEDY))
 
 
-# -- deltas: a stop string may cut text already streamed ---------------------------------------
+# -- deltas: one engine delta is one message -------------------------------------------------
 
 
-def test_output_deltas_rebuild_every_cumulative_output():
-    def output(text: str, tokens: list[int], finish: str | None = None) -> RequestOutput:
-        comp = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=tokens,
-            logprobs=[{t: -0.5 * t} for t in tokens],
-            finish_reason=finish,
-            stop_reason="X." if finish else None,
-        )
-        return RequestOutput("r", "p", [1, 2], [comp], finished=finish is not None)
-
-    steps = [
-        output("ab", [5]),
-        output("abX", [5, 6]),  # "X" may begin the stop string "X.": sent, then cut
-        output("ab", [5, 6, 7], finish="stop"),
-    ]
-    deltas, assembler = convert.OutputDeltas(), convert.OutputAssembler()
-    for want in steps:
-        msg = pb.GenerateResponse.FromString(deltas.next(want).SerializeToString())
-        got = assembler.apply(msg)
-        assert got.outputs == want.outputs and got.finished == want.finished
-        assert (got.request_id, got.prompt, got.prompt_token_ids) == ("r", "p", [1, 2])
-    assert len(msg.outputs[0].token_ids) == 1 and msg.outputs[0].text_offset == 2
+def test_every_field_of_a_delta_round_trips_through_its_message():
+    captures = {"0.post_block": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    full = RequestDelta(
+        request_id="r",
+        samples=[
+            CompletionDelta(0, 3, [5, 6], "ab", [{5: -0.5}, {6: -1.0, 2: -2.0}], [{"p": 0.25}] * 2),
+            CompletionDelta(1, 0, [7], "c", finish_reason="stop", stop_reason=7),
+            CompletionDelta(2, 4, [], "", [], [], finish_reason="probe", stop_reason="hack"),
+        ],
+        finished=True,
+        num_cached_tokens=16,
+        prompt="hi",
+        prompt_token_ids=[1, 2],
+        prompt_logprobs=[None, {2: -0.75}],
+        captures=captures,
+        capture_positions=[0, 1],
+        capture_run="run-1",
+        capture_error="why not",
+        conversation_id="c-1",
+    )
+    bare = RequestDelta("r", [CompletionDelta(0, 9, [8], "d")], finished=False)
+    for want in (full, bare):
+        msg = pb.GenerateResponse.FromString(convert.delta_to_proto(want).SerializeToString())
+        got = convert.delta_from_proto(msg)
+        if want.captures is not None:
+            assert got.captures.keys() == want.captures.keys()
+            assert all(torch.equal(got.captures[k], v) for k, v in want.captures.items())
+            got.captures = want.captures
+        assert got == want
 
 
 # -- a reused request id, Abort, oversized identifiers -------------------------------------------
@@ -559,9 +565,9 @@ def test_a_reused_request_id_is_refused_and_abort_still_ends_the_original(served
     with pytest.raises(DuplicateRequestError, match="'held' is already in use"):
         client.complete(PROMPT, request_id="held", max_tokens=2)
     client.abort("held")
-    *_, final = stream
-    assert final.finished and final.outputs[0].finish_reason == "abort"
-    assert len(final.outputs[0].token_ids) < 400
+    *_, last = stream
+    assert last.finished and last.samples[0].finish_reason == "abort"
+    assert last.samples[0].token_offset + len(last.samples[0].token_ids) < 400
     assert served.idle()
     # the id is free again once its request ended
     assert client.complete(PROMPT, request_id="held", max_tokens=2).finished

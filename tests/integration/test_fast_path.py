@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.engine.model_runner import StepBatch, graph_batch_sizes
 from services.engine.sampling_params import SamplingParams as Params
 from services.engine.scheduler import StepRequest
@@ -48,14 +48,14 @@ def _run(model_dir, overlap: bool, stagger: bool = True, **config) -> dict:
     work = _workload()
     finished = {}
     steps = 0
+    totals = OutputAccumulator()
     while work or engine.has_unfinished_requests():
         # Requests arrive while others run (two per step), so batches keep changing.
         for rid, prompt, params in work[: 2 if stagger else len(work)]:
             engine.add_request(rid, prompt, params)
         work = work[2 if stagger else len(work) :]
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+        for out in totals.finished(engine.step()):
+            finished[out.request_id] = out
         steps += 1
         assert steps < 200
     bm = engine.block_manager
@@ -107,11 +107,12 @@ def test_an_overlapped_call_returns_the_previous_steps_tokens(model_dir):
         )
         engine.add_request("r", PROMPTS[0], params)
         outs = engine.step()
-        assert [len(o.outputs[0].token_ids) for o in outs] == [1] * first_call
-        tokens = []
+        assert [len(o.samples[0].token_ids) for o in outs] == [1] * first_call
+        tokens = [t for o in outs for t in o.samples[0].token_ids]
         while engine.has_unfinished_requests():
             for o in engine.step():
-                tokens = o.outputs[0].token_ids
+                assert len(o.samples[0].token_ids) == 1  # a delta: this step's token only
+                tokens += o.samples[0].token_ids
         assert len(tokens) == 3
         assert -1 not in tokens
 
@@ -121,16 +122,16 @@ def test_abort_while_a_step_is_in_flight_frees_everything(model_dir):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(PROMPTS[:3]):
         engine.add_request(f"r{i}", p, params)
+    totals = OutputAccumulator()
     for _ in range(4):
-        engine.step()
-    out = engine.abort("r1")
+        totals.finished(engine.step())
+    out = totals.add(engine.abort("r1"))
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert PLACEHOLDER not in out.outputs[0].token_ids
     done = {}
     while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
+        for o in totals.finished(engine.step()):
+            done[o.request_id] = o.outputs[0].token_ids
     assert sorted(done) == ["r0", "r2"] and all(len(t) == 20 for t in done.values())
     assert engine.step() == []  # nothing in flight, nothing to schedule
     bm = engine.block_manager

@@ -9,7 +9,7 @@ import torch
 
 from services.common.errors import InvalidRequestError
 from services.common.wire import pack_tensor
-from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.engine.interventions.sites import SITES
 from tests.oracle import hf_edited_logprobs, hf_logprobs, hf_model, hf_residuals
 
@@ -50,10 +50,10 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     done = {}
+    totals = OutputAccumulator()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        for out in totals.finished(engine.step()):
+            done[out.request_id] = out
     return done
 
 
@@ -291,13 +291,13 @@ def test_bad_steering_is_a_clear_error_and_others_run_on(path, hidden, case):
     engine = _engine(path)
     prompt = _prompt(9)
     engine.add_request("ok", prompt, _params())
-    engine.step()
+    totals = OutputAccumulator()
+    done = {o.request_id: o for o in totals.finished(engine.step())}
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request("bad", prompt, _params(steering=BAD[case]))
     assert str(err.value)
-    done = {}
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        done.update({o.request_id: o for o in totals.finished(engine.step())})
     assert set(done) == {"ok"}
     plain = _run(_engine(path), {"ok": (prompt, _params())})["ok"]
     assert done["ok"].outputs[0].logprobs == plain.outputs[0].logprobs

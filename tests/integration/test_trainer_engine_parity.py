@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.trainer.adapters import AdapterConfig, attach_adapters
 from services.trainer.model import TrainableModel, pad_batch
 from services.trainer.weight_sync import engine_adapter_state
@@ -32,10 +32,10 @@ def _engine_prompt_logprobs(engine: LLMEngine, ids: list[int], kws: list[dict]):
     for i, kw in enumerate(kws):
         engine.add_request(f"p{i}", ids, SamplingParams(max_tokens=1, prompt_logprobs=0, **kw))
     final = {}
+    totals = OutputAccumulator()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+        for out in totals.finished(engine.step()):
+            final[out.request_id] = out
     # prompt_logprobs[j] holds the actual token j's logprob (None at position 0)
     return [
         [final[f"p{i}"].prompt_logprobs[j][t] for j, t in enumerate(ids) if j > 0]

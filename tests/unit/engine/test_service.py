@@ -17,7 +17,7 @@ from services.common.errors import (
     TooLargeError,
 )
 from services.common.wire import unpack_tensor
-from services.engine import SamplingParams
+from services.engine import OutputAccumulator, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
@@ -77,10 +77,13 @@ def test_model_card_and_health(service):
 
 def test_generate_streams_to_the_offline_result(service, path):
     params = SamplingParams(max_tokens=5, temperature=0, logprobs=1)
-    outs = _run(_collect(service.generate(PROMPT, params)))
-    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    deltas = _run(_collect(service.generate(PROMPT, params)))
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    totals = OutputAccumulator()
+    got = [totals.add(d) for d in deltas][-1].outputs[0]
     want = LLM(path, **ENGINE).generate([PROMPT], params)[0].outputs[0]
-    assert outs[-1].outputs[0].token_ids == want.token_ids
+    assert got.token_ids == want.token_ids
+    assert got.logprobs[-1] == pytest.approx(want.logprobs[-1], abs=1e-4)
 
 
 def test_bad_requests_raise_before_anything_is_yielded(service):
@@ -173,7 +176,7 @@ def test_a_sweep_runs_as_traffic_beside_other_requests(service, path):
         return events, await side
 
     events, side = _run(both())
-    assert side[-1].finished and len(side[-1].outputs[0].token_ids) == 40
+    assert side[-1].finished and sum(len(d.samples[0].token_ids) for d in side) == 40
     assert [e["event"] for e in events] == ["cell"] * 6 + ["summary"]
     ref = Sweep(LLMEngine(path, EngineConfig(**ENGINE)), SPEC).run()
     summary = events[-1]
@@ -279,8 +282,8 @@ def test_a_long_prompt_is_tokenized_while_other_requests_step(path):
     async def short() -> None:
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         async for out in svc.generate(PROMPT, params):
-            # The first output carries one token, or more if the reader fell behind.
-            if out.outputs[0].token_ids and "short started" not in events:
+            # The first delta carries one token, or more if the reader fell behind.
+            if out.samples[0].token_ids and "short started" not in events:
                 events.append("short started")
         events.append("short finished")
 
@@ -332,6 +335,6 @@ def test_a_lone_surrogate_is_a_bad_request_wherever_text_is_tokenized(service):
         _run(_collect(service.patch_sweep(SweepSpec(corrupt_prompt=bad, answer_token=5))))
     with pytest.raises(InvalidRequestError, match="lone surrogate"):  # the tokenizer itself
         service.engine.tokenizer.encode(bad)
-    # a prompt tokenized off the engine thread keeps its text in the outputs
+    # a prompt tokenized off the engine thread keeps its text in the outputs (the first)
     out = _run(_collect(service.generate("hello there", SamplingParams(max_tokens=1))))
-    assert out[-1].prompt == "hello there"
+    assert out[0].prompt == "hello there"

@@ -288,10 +288,10 @@ class ReadoutsList(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[Readouts, _Mapping]]] = ...) -> None: ...
 
 class CompletionDelta(_message.Message):
-    __slots__ = ("index", "token_ids", "text_offset", "text", "logprobs", "readouts", "finish_reason", "stop_token_id", "stop_string")
+    __slots__ = ("index", "token_ids", "token_offset", "text", "logprobs", "readouts", "finish_reason", "stop_token_id", "stop_string")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     READOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -300,14 +300,14 @@ class CompletionDelta(_message.Message):
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    text_offset: int
+    token_offset: int
     text: str
     logprobs: LogprobsList
     readouts: ReadoutsList
     finish_reason: str
     stop_token_id: int
     stop_string: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_offset: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[LogprobsList, _Mapping]] = ..., readouts: _Optional[_Union[ReadoutsList, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_offset: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[LogprobsList, _Mapping]] = ..., readouts: _Optional[_Union[ReadoutsList, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class Captures(_message.Message):
     __slots__ = ("tensors", "positions")
@@ -325,14 +325,7 @@ class Captures(_message.Message):
     def __init__(self, tensors: _Optional[_Mapping[str, _patch_store_pb2.Tensor]] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "finished", "outputs", "prompt", "prompt_token_ids", "num_cached_tokens", "prompt_logprobs", "metrics", "captures", "capture_run", "capture_error", "conversation_id")
-    class MetricsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: float
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    __slots__ = ("request_id", "finished", "outputs", "prompt", "prompt_token_ids", "num_cached_tokens", "prompt_logprobs", "captures", "capture_run", "capture_error", "conversation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -340,7 +333,6 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    METRICS_FIELD_NUMBER: _ClassVar[int]
     CAPTURES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_RUN_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -352,12 +344,11 @@ class GenerateResponse(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     prompt_logprobs: LogprobsList
-    metrics: _containers.ScalarMap[str, float]
     captures: Captures
     capture_run: str
     capture_error: str
     conversation_id: str
-    def __init__(self, request_id: _Optional[str] = ..., finished: bool = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[LogprobsList, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., captures: _Optional[_Union[Captures, _Mapping]] = ..., capture_run: _Optional[str] = ..., capture_error: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., finished: bool = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[LogprobsList, _Mapping]] = ..., captures: _Optional[_Union[Captures, _Mapping]] = ..., capture_run: _Optional[str] = ..., capture_error: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
