@@ -19,12 +19,14 @@ of the chunks as the client reads them.
     python3 benchmarks/serving.py --rate 20          # Poisson arrivals at 20 req/s
     python3 benchmarks/serving.py --url http://gateway:8000 --api-key $KEY   # a cluster
 
-Without `--url` the gateway app (`services.gateway.http_app.build_app` over
-`EngineService.from_model`) runs under uvicorn in a background thread of this process, on a
-generated checkpoint (or `--model DIR`), and the load generator runs in a child process so
-that it does not compete with the server for the GIL. Prints numbers only; it is never a
-pass/fail test, but it warns when steering changed nothing or a capture or read-out did not
-come back, because a no-op steering path would look free here.
+Without `--url` the gateway app (`services.gateway.http_app.build_app`) serves an engine
+(`EngineService.from_model`) on a generated checkpoint (or `--model DIR`) built in this
+process. With `--frontend process` (the default) uvicorn runs in a child process over that
+engine (`services/gateway/process_backend.py`: deltas cross a Unix socket once per step);
+`--frontend thread` runs it in a thread beside the engine, sharing its GIL. The load
+generator runs in a child process of its own so that it competes with neither. Prints
+numbers only; it is never a pass/fail test, but it warns when steering changed nothing or a
+capture or read-out did not come back, because a no-op steering path would look free here.
 """
 
 from __future__ import annotations
@@ -242,14 +244,18 @@ async def run_phase(
 
 @contextmanager
 def local_gateway(args: argparse.Namespace, key: str) -> Iterator[tuple[str, Any]]:
-    """The gateway app over an engine on a generated checkpoint (or `--model`), served by
-    uvicorn in a background thread; yields its URL and the engine's AsyncLLM."""
+    """The gateway app over an engine on a generated checkpoint (or `--model`); yields its URL
+    and the engine's AsyncLLM. `--frontend process` (the default) serves HTTP from a child
+    process over the engine in this one (`services/gateway/process_backend.py`); `thread`
+    runs uvicorn in a thread beside the engine, sharing its GIL."""
     from services.common.auth import ApiKey, ApiKeys
     from services.engine.service import EngineService
     from services.gateway.http_app import build_app
+    from services.gateway.process_backend import BackendServer, http_frontend
     from tests.serving import serve_asgi
 
     resolve_device(args)
+    keys = ApiKeys([ApiKey("bench", "read", key)])
     with tempfile.TemporaryDirectory(prefix="coxswain-bench-") as tmp:
         model_dir = checkpoint_dir(args, Path(tmp), max(1024, args.prompt_len + args.output_len))
         backend = EngineService.from_model(
@@ -261,11 +267,17 @@ def local_gateway(args: argparse.Namespace, key: str) -> Iterator[tuple[str, Any
             max_num_batched_tokens=args.max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
-        app = build_app(backend, ApiKeys([ApiKey("bench", "read", key)]))
+        server = BackendServer(backend) if args.frontend == "process" else None
         try:
-            with serve_asgi(app) as url:
-                yield url, backend.llm
+            if server is not None:
+                with http_frontend(server.start(), model_dir, keys) as url:
+                    yield url, backend.llm
+            else:
+                with serve_asgi(build_app(backend, keys)) as url:
+                    yield url, backend.llm
         finally:
+            if server is not None:
+                server.close()
             backend.llm.shutdown()
 
 
@@ -442,6 +454,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(--concurrency in flight) against the same workload sent to the engine in process",
     )
     e = p.add_argument_group("local engine (without --url)")
+    e.add_argument(
+        "--frontend",
+        choices=("process", "thread"),
+        default="process",
+        help="HTTP from a child process over the engine here (default), or uvicorn in a "
+        "thread of the engine's process (sharing its GIL)",
+    )
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -468,7 +487,11 @@ def main(argv: list[str] | None = None) -> None:
         compare_throughput(args, key)
         return
     with local_gateway(args, key) as (url, _):
-        where = f" (uvicorn in a thread of the parent process, {torch.get_num_threads()} threads)"
+        where = (
+            " (uvicorn in a child process over the engine in this one"
+            if args.frontend == "process"
+            else " (uvicorn in a thread of the engine's process"
+        ) + f", {torch.get_num_threads()} threads)"
         # The load generator gets its own interpreter. Here it would compete with the engine
         # thread and uvicorn for the GIL, read chunks late and in bursts, and so report
         # inflated TTFT and near-zero TPOT.
@@ -510,7 +533,8 @@ def compare_throughput(args: argparse.Namespace, key: str) -> None:
     http, local = http_tokens / http_s, local_tokens / local_s
     print(
         f"{args.num_requests} streams of {args.prompt_len} prompt -> {args.output_len} "
-        f"generated tokens, {args.concurrency} in flight, greedy, ignore_eos\n"
+        f"generated tokens, {args.concurrency} in flight, greedy, ignore_eos, "
+        f"HTTP front end in a {args.frontend}\n"
         f"  over HTTP:  {http:10,.0f} generated tok/s ({http_tokens} in {http_s:.2f} s)\n"
         f"  in process: {local:10,.0f} generated tok/s ({local_tokens} in {local_s:.2f} s)\n"
         f"  HTTP / in process = {http / local:.2f}"

@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,45 @@ Deliver = Callable[[RequestDelta | BaseException], None]
 Listener = Callable[[list[RequestDelta]], None]
 
 
-class _Stream:
-    """Where a `generate` caller's deltas go: its event loop's queue."""
+class DeltaStream:
+    """One request's deltas on their way to an asyncio reader: filled from other threads in
+    batches (`deliver_all`: one wake-up of the reader's loop however many streams a step
+    advanced), read with `read()`, which merges what a slow reader has not taken yet."""
 
     __slots__ = ("loop", "queue")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+
+    @staticmethod
+    def deliver_all(items: Iterable[tuple[DeltaStream, RequestDelta | BaseException]]) -> None:
+        """Hand each item to its stream, from any thread."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in by_loop.items():
+            if not loop.is_closed():  # a reader's loop may be gone (its streams with it)
+                loop.call_soon_threadsafe(_put_all, batch)
+
+    async def read(self) -> AsyncIterator[RequestDelta]:
+        """The deltas until the finished one; a delivered exception is raised. Under load
+        the reader falls behind the engine: one delta saying what all the waiting ones did
+        replaces them."""
+        queue = self.queue
+        finished = False
+        while not finished:
+            item = await queue.get()
+            while not isinstance(item, BaseException) and not queue.empty():
+                later = queue.get_nowait()
+                if isinstance(later, BaseException):
+                    item = later
+                else:
+                    item.merge(later)
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
 
 
 class AsyncLLM:
@@ -60,8 +91,8 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()  # engine calls: add/abort from callers, step from the loop
         self._wake = threading.Event()
-        self._deliver: dict[str, Deliver | _Stream] = {}
-        # Requests to admit and aborts, handed to the engine thread (see `_enqueue`).
+        self._deliver: dict[str, Deliver | DeltaStream] = {}
+        # Requests to admit and aborts, handed to the engine thread (see `admit`).
         self._inbox_lock = threading.Lock()
         self._admissions: deque[tuple] = deque()
         self._aborts: deque[str] = deque()
@@ -96,7 +127,7 @@ class AsyncLLM:
         prompt: Prompt,
         text: str | None,
         params: SamplingParams | None,
-        deliver: Deliver | _Stream,
+        deliver: Deliver | DeltaStream,
     ) -> None:
         """Add a request to the engine under its lock. `text`: what token-id `prompt` was
         encoded from, kept on the request so its outputs report it."""
@@ -106,17 +137,19 @@ class AsyncLLM:
                 self.engine.requests[request_id].prompt = text
             self._deliver[request_id] = deliver
 
-    def _enqueue(
+    def admit(
         self,
         request_id: str,
         prompt: Prompt,
         text: str | None,
         params: SamplingParams | None,
-        deliver: Deliver | _Stream,
+        deliver: Deliver | DeltaStream,
     ) -> concurrent.futures.Future:
-        """Hand a request to the engine thread, which admits it between steps. Admission
-        (resolving steering, patches, captures) never runs on a caller's thread, so an
-        event loop never waits for the engine lock while a step holds it."""
+        """Hand a request to the engine thread, which admits it between steps; the future
+        completes once it is admitted (or fails with why not). Admission (resolving
+        steering, patches, captures) never runs on a caller's thread, so an event loop never
+        waits for the engine lock while a step holds it. `deliver` is a callback (called in
+        the engine thread) or a `DeltaStream`."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
         admitted: concurrent.futures.Future = concurrent.futures.Future()
@@ -143,32 +176,20 @@ class AsyncLLM:
         request and frees its KV blocks.
         """
         rid = request_id or f"async-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop())
+        stream = DeltaStream(asyncio.get_running_loop())
         if isinstance(prompt, str):
             prompt_text, prompt = prompt, await asyncio.to_thread(self.tokenizer.encode, prompt)
-        admitted = self._enqueue(rid, prompt, prompt_text, params, stream)
+        admitted = self.admit(rid, prompt, prompt_text, params, stream)
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:  # gone before admission: abort once it is admitted
             admitted.add_done_callback(lambda f: f.exception() or self.abort_soon(rid))
             raise
         finished = False
-        queue = stream.queue
         try:
-            while not finished:
-                item = await queue.get()
-                # Under load the reader falls behind the engine: one delta saying what all
-                # the waiting ones did replaces them.
-                while not isinstance(item, BaseException) and not queue.empty():
-                    later = queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        item = later
-                    else:
-                        item.merge(later)
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for delta in stream.read():
+                finished = delta.finished
+                yield delta
         finally:
             if not finished:
                 self.abort_soon(rid)
@@ -203,7 +224,7 @@ class AsyncLLM:
     def _emit(self, items: list[RequestDelta], failure: BaseException | None = None) -> None:
         """Hand each delta (or, for each request of `items`, `failure`) to whoever waits for
         it: callbacks now, `generate` streams with one wake-up of each event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        streamed = []
         for delta in items:
             rid = delta.request_id
             last = failure is not None or delta.finished
@@ -211,16 +232,14 @@ class AsyncLLM:
             if target is None:
                 continue
             item = failure or delta
-            if isinstance(target, _Stream):
-                by_loop.setdefault(target.loop, []).append((target.queue, item))
+            if isinstance(target, DeltaStream):
+                streamed.append((target, item))
                 continue
             try:
                 target(item)
             except Exception:
                 log.exception("delivering output of %s failed", rid)
-        for loop, batch in by_loop.items():
-            if not loop.is_closed():  # a caller's loop may be gone (its streams with it)
-                loop.call_soon_threadsafe(_put_all, batch)
+        DeltaStream.deliver_all(streamed)
 
     def _drain_inbox(self) -> None:
         """Admit queued requests and apply queued aborts, between steps (engine thread)."""

@@ -187,16 +187,24 @@ class EngineService:
         """Yield what each step that advanced the request added to it; the last delta has
         `finished=True`. Bad input raises a CoxswainError before anything is yielded.
         Closing the iterator early (client gone) aborts the request."""
-        max_seqs = self.engine.config.max_num_seqs
-        if params.n > max_seqs:  # its samples could never all run at once
-            raise InvalidRequestError(f"n={params.n} exceeds this engine's max_num_seqs={max_seqs}")
-        text, ids = await self._prompt_ids(prompt)
-        self._check_fits(ids, params)
+        text, ids = await self.prepare(prompt, params)
         rid = request_id or f"req-{uuid.uuid4().hex}"
         outputs = self.llm.generate(ids, params, rid, prompt_text=text)
         async with aclosing(outputs):  # type: ignore[type-var]  # an async generator
             async for out in outputs:
                 yield out
+
+    async def prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, Prompt]:
+        """(text, token ids) of a request this service would admit: the checks made before
+        the engine sees it (CoxswainError naming the problem), the prompt tokenized in a
+        worker thread. `generate` starts with it; so does a front end in another process
+        (`services/gateway/process_backend.py`)."""
+        max_seqs = self.engine.config.max_num_seqs
+        if params.n > max_seqs:  # its samples could never all run at once
+            raise InvalidRequestError(f"n={params.n} exceeds this engine's max_num_seqs={max_seqs}")
+        text, ids = await self._prompt_ids(prompt)
+        self._check_fits(ids, params)
+        return text, ids
 
     async def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, Prompt]:
         """(text, token ids) of a prompt: a text prompt is size-checked, then tokenized in a
