@@ -21,12 +21,13 @@ of the chunks as the client reads them.
 
 Without `--url` the gateway app (`services.gateway.http_app.build_app`) serves an engine
 (`EngineService.from_model`) on a generated checkpoint (or `--model DIR`) built in this
-process. With `--frontend process` (the default) uvicorn runs in a child process over that
-engine (`services/gateway/process_backend.py`: deltas cross a Unix socket once per step);
-`--frontend thread` runs it in a thread beside the engine, sharing its GIL. The load
-generator runs in a child process of its own so that it competes with neither. Prints
-numbers only; it is never a pass/fail test, but it warns when steering changed nothing or a
-capture or read-out did not come back, because a no-op steering path would look free here.
+process. With `--frontend process` (the default) uvicorn runs in `--frontend-workers` child
+processes over that engine (`services/gateway/process_backend.py`: deltas cross a Unix
+socket once per step); `--frontend thread` runs it in a thread beside the engine, sharing
+its GIL. The load generator runs in a child process of its own so that it competes with
+neither. Prints numbers only; it is never a pass/fail test, but it warns when steering
+changed nothing or a capture or read-out did not come back, because a no-op steering path
+would look free here.
 """
 
 from __future__ import annotations
@@ -270,7 +271,10 @@ def local_gateway(args: argparse.Namespace, key: str) -> Iterator[tuple[str, Any
         server = BackendServer(backend) if args.frontend == "process" else None
         try:
             if server is not None:
-                with http_frontend(server.start(), model_dir, keys) as url:
+                frontend = http_frontend(
+                    server.start(), model_dir, keys, workers=args.frontend_workers
+                )
+                with frontend as url:
                     yield url, backend.llm
             else:
                 with serve_asgi(build_app(backend, keys)) as url:
@@ -453,13 +457,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead: generated tok/s of --num-requests unsteered streams over HTTP "
         "(--concurrency in flight) against the same workload sent to the engine in process",
     )
+    w.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="with --throughput: load-generator processes sharing the HTTP workload",
+    )
     e = p.add_argument_group("local engine (without --url)")
     e.add_argument(
         "--frontend",
         choices=("process", "thread"),
         default="process",
-        help="HTTP from a child process over the engine here (default), or uvicorn in a "
+        help="HTTP from child processes over the engine here (default), or uvicorn in a "
         "thread of the engine's process (sharing its GIL)",
+    )
+    e.add_argument(
+        "--frontend-workers",
+        type=int,
+        default=2,
+        help="with --frontend process: HTTP worker processes (default 2)",
     )
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -469,8 +485,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = None
     if not 0 <= args.steered_fraction + args.capture_fraction <= 1:
         p.error("--steered-fraction + --capture-fraction must be within [0, 1]")
-    if args.rounds < 1 or args.num_requests < 1 or args.concurrency < 1 or args.configs < 1:
+    if min(args.rounds, args.num_requests, args.concurrency, args.configs) < 1:
         p.error("--rounds, --num-requests, --concurrency and --configs must be >= 1")
+    if not 1 <= args.client_processes <= args.concurrency or args.frontend_workers < 1:
+        p.error("need 1 <= --client-processes <= --concurrency and --frontend-workers >= 1")
     if args.rate is not None and args.rate <= 0:
         p.error("--rate must be > 0")
     return args
@@ -487,11 +505,7 @@ def main(argv: list[str] | None = None) -> None:
         compare_throughput(args, key)
         return
     with local_gateway(args, key) as (url, _):
-        where = (
-            " (uvicorn in a child process over the engine in this one"
-            if args.frontend == "process"
-            else " (uvicorn in a thread of the engine's process"
-        ) + f", {torch.get_num_threads()} threads)"
+        where = f" ({_frontend(args)}, {torch.get_num_threads()} threads)"
         # The load generator gets its own interpreter. Here it would compete with the engine
         # thread and uvicorn for the GIL, read chunks late and in bursts, and so report
         # inflated TTFT and near-zero TPOT.
@@ -502,6 +516,12 @@ def main(argv: list[str] | None = None) -> None:
         client.join()
     if client.exitcode:
         raise SystemExit(f"the client process failed (exit code {client.exitcode})")
+
+
+def _frontend(args: argparse.Namespace) -> str:
+    if args.frontend == "process":
+        return f"uvicorn in {args.frontend_workers} child processes over the engine in this one"
+    return "uvicorn in a thread of the engine's process"
 
 
 # -- --throughput: HTTP against the engine in process ----------------------------------------
@@ -519,30 +539,53 @@ def compare_throughput(args: argparse.Namespace, key: str) -> None:
     AsyncLLM, no HTTP), on the same model and the same workload shape; fresh prompts for
     each run so neither reads the other's prefix cache."""
     with local_gateway(args, key) as (url, llm):
-        results = multiprocessing.get_context("spawn").Queue()
-        client = multiprocessing.get_context("spawn").Process(
-            target=_http_throughput_client, args=(args, url, key, results), name="http-client"
-        )
-        client.start()
-        client.join()
-        if client.exitcode or results.empty():
-            raise SystemExit(f"the HTTP client failed (exit code {client.exitcode})")
-        http_tokens, http_s = results.get()
+        http_tokens, http_s = _http_throughput(args, url, key)
         vocab = llm.engine.model_config.vocab_size
         local_tokens, local_s = asyncio.run(_in_process_throughput(args, llm, vocab))
     http, local = http_tokens / http_s, local_tokens / local_s
     print(
         f"{args.num_requests} streams of {args.prompt_len} prompt -> {args.output_len} "
         f"generated tokens, {args.concurrency} in flight, greedy, ignore_eos, "
-        f"HTTP front end in a {args.frontend}\n"
+        f"HTTP front end: {_frontend(args)}; {args.client_processes} client processes\n"
         f"  over HTTP:  {http:10,.0f} generated tok/s ({http_tokens} in {http_s:.2f} s)\n"
         f"  in process: {local:10,.0f} generated tok/s ({local_tokens} in {local_s:.2f} s)\n"
         f"  HTTP / in process = {http / local:.2f}"
     )
 
 
-def _http_throughput_client(args, url: str, key: str, results) -> None:
-    async def run() -> tuple[int, float]:
+def _http_throughput(args: argparse.Namespace, url: str, key: str) -> tuple[int, float]:
+    """Generated tokens over HTTP and the seconds they took, from `--client-processes` load
+    generators that split the requests and the concurrency and start together: one Python
+    client reading SSE saturates its core near 10k chunks/s, below what the server sends."""
+    ctx = multiprocessing.get_context("spawn")
+    k = args.client_processes
+    results, start = ctx.Queue(), ctx.Barrier(k)
+    clients = [
+        ctx.Process(
+            target=_http_throughput_client,
+            args=(args, url, key, j, start, results),
+            name=f"http-client-{j}",
+        )
+        for j in range(k)
+    ]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    failed = [c.exitcode for c in clients if c.exitcode]
+    if failed or results.qsize() != k:
+        raise SystemExit(f"an HTTP client failed (exit codes {failed})")
+    parts = [results.get() for _ in range(k)]
+    tokens = sum(n for n, _, _ in parts)
+    return tokens, max(t1 for _, _, t1 in parts) - min(t0 for _, t0, _ in parts)
+
+
+def _http_throughput_client(args, url: str, key: str, j: int, start, results) -> None:
+    """Client `j` of `--client-processes`: every k-th request, its share of the concurrency."""
+    k = args.client_processes
+    concurrency = args.concurrency // k + (j < args.concurrency % k)
+
+    async def run() -> tuple[int, float, float]:
         headers = {"Authorization": f"Bearer {key}"}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(
@@ -551,14 +594,17 @@ def _http_throughput_client(args, url: str, key: str, results) -> None:
             model = await fetch_model(client)
             maker = RequestMaker(model, args.output_len, [0], 1.0, 1, args.seed)
             warm = [(UNSTEERED, maker.body(UNSTEERED, [1] * args.prompt_len, 0))] * 8
-            await run_phase(client, "warm-up", warm, None, args.concurrency)
-            prompts = _throughput_prompts(args, model.vocab_size, args.seed)
+            await run_phase(client, "warm-up", warm, None, concurrency)
+            prompts = _throughput_prompts(args, model.vocab_size, args.seed)[j::k]
             work = [(UNSTEERED, maker.body(UNSTEERED, p, i)) for i, p in enumerate(prompts)]
-            phase = await run_phase(client, "http", work, None, args.concurrency)
+            await asyncio.to_thread(start.wait)  # every client warmed up: go together
+            t0 = time.time()
+            phase = await run_phase(client, "http", work, None, concurrency)
+            t1 = time.time()
         errors = [s.error for s in phase.samples if s.error]
         if errors:
             raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
-        return sum(s.tokens for s in phase.samples), phase.seconds
+        return sum(s.tokens for s in phase.samples), t0, t1
 
     results.put(asyncio.run(run()))
 

@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import pickle
 import secrets
+import socket
 import tempfile
 import threading
 import time
@@ -463,55 +464,67 @@ def http_frontend(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    workers: int = 1,
     timeout_s: float = 60.0,
 ) -> Iterator[str]:
-    """Serve the HTTP app (`build_app` with `keys`) under uvicorn in a child process, over
-    the engine a `BackendServer` at `address` serves; yields its base URL until the block
-    exits. `port` 0 picks a free one."""
+    """Serve the HTTP app (`build_app` with `keys`) under uvicorn in `workers` child
+    processes, over the engine a `BackendServer` at `address` serves; yields the base URL
+    until the block exits. The workers accept connections from one listening socket, each
+    with its own link to the engine, so HTTP work spreads over them (one event loop renders
+    about 10k tokens/s). `port` 0 picks a free one."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
     ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=_frontend_main,
-        args=(address, str(model_dir), keys, host, port, child),
-        name="coxswain-http",
-        daemon=True,
-    )
-    proc.start()
+    procs, pipes = [], []
     try:
-        if not parent.poll(timeout_s):
-            raise ServiceUnavailableError("the HTTP front end did not start")
-        kind, value = parent.recv()
-        if kind == "error":
-            raise ServiceUnavailableError(f"the HTTP front end failed to start: {value}")
-        yield f"http://{host}:{value}"
+        for _ in range(workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_frontend_main,
+                args=(address, str(model_dir), keys, sock, child),
+                name="coxswain-http",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+            pipes.append(parent)
+        for parent in pipes:
+            if not parent.poll(timeout_s):
+                raise ServiceUnavailableError("the HTTP front end did not start")
+            kind, value = parent.recv()
+            if kind == "error":
+                raise ServiceUnavailableError(f"the HTTP front end failed to start: {value}")
+        yield f"http://{host}:{sock.getsockname()[1]}"
     finally:
-        proc.terminate()
-        proc.join(timeout_s)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join(timeout_s)
+        sock.close()
 
 
 def _frontend_main(
-    address: BackendAddress, model_dir: str, keys: Any, host: str, port: int, ready: Connection
+    address: BackendAddress, model_dir: str, keys: Any, sock: socket.socket, ready: Connection
 ) -> None:
-    import socket
-
     import uvicorn
 
     from services.gateway.http_app import build_app
 
     try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
         app = build_app(ProcessBackend(address, model_dir), keys)
     except Exception as exc:
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    threading.Thread(target=_report_started, args=(server, sock, ready), daemon=True).start()
+    threading.Thread(target=_report_started, args=(server, ready), daemon=True).start()
     server.run(sockets=[sock])
 
 
-def _report_started(server: Any, sock: Any, ready: Connection) -> None:
+def _report_started(server: Any, ready: Connection) -> None:
     while not server.started:
         time.sleep(0.01)
-    ready.send(("port", sock.getsockname()[1]))
+    ready.send(("ready", None))

@@ -52,9 +52,9 @@ def server(service):
 
 @pytest.fixture(scope="module")
 def remote(server, path):
-    """An HTTP client of the front end running in a child process."""
+    """An HTTP client of the front end running in two child processes."""
     with (
-        http_frontend(server.address, path, KEYS) as url,
+        http_frontend(server.address, path, KEYS, workers=2) as url,
         httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as c,
     ):
         yield c
