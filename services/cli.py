@@ -1,9 +1,11 @@
-"""The `coxswain` command line: make tiny checkpoints, generate, run the demo, serve the patch
-store, run the local cluster (`up`, `status`, `down`), train."""
+"""The `coxswain` command line: make tiny checkpoints, generate, serve one engine over HTTP
+(`serve`), run the demo, serve the patch store, run the local cluster (`up`, `status`,
+`down`), train."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -95,6 +97,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             for c in out.outputs:
                 print(f"{prompt!r} -> {c.text!r}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """One engine in this process, the OpenAI-compatible HTTP API (plus Coxswain's routes)
+    from `--workers` processes over it, until Ctrl-C. No Ray, Redis or gRPC: `up` runs the
+    cluster."""
+    import secrets
+    import signal
+    import threading
+
+    from services.common.auth import ApiKey, ApiKeys
+    from services.engine.service import EngineService
+    from services.gateway.process_backend import BackendServer, http_frontend
+    from services.gateway.serve_app import resolve_model
+
+    keys = ApiKeys.from_env(args.api_keys_file)
+    made = {}
+    if not keys.enabled:  # every port authenticates: make keys rather than serve openly
+        made = {scope: f"cx-{scope}-{secrets.token_urlsafe(24)}" for scope in ("admin", "read")}
+        keys = ApiKeys([ApiKey(scope, scope, key) for scope, key in made.items()])  # type: ignore[arg-type]
+    model_dir = resolve_model("tiny" if args.tiny or not args.model else args.model)
+    service = EngineService.from_model(model_dir, model_id=model_dir.name, **_engine_kwargs(args))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server = BackendServer(service)
+    try:
+        frontend = http_frontend(
+            server.start(), model_dir, keys, host=args.host, port=args.port, workers=args.workers
+        )
+        with frontend as url:
+            print(f"serving {model_dir} at {url} ({args.workers} HTTP worker processes)")
+            for scope, key in made.items():
+                print(f"  {scope:6s} API key: {key}")
+            print("stop with Ctrl-C", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                stop.wait()
+    finally:
+        server.close()
+        service.llm.shutdown()
     return 0
 
 
@@ -407,6 +449,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve one engine over HTTP (no Ray: see `up`)")
+    which = srv.add_mutually_exclusive_group()
+    which.add_argument("--model", help="a local Hugging Face checkpoint directory")
+    which.add_argument("--tiny", action="store_true", help="the embedded tiny model (default)")
+    srv.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--workers", type=int, default=2, help="HTTP worker processes")
+    srv.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="name:scope:secret lines (default: $COXSWAIN_API_KEYS, else new keys, printed)",
+    )
+    _add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="build the embedded tiny model and serve a batch")
     demo.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])

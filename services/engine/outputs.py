@@ -38,12 +38,7 @@ class CompletionDelta:
 
     def merge(self, later: CompletionDelta) -> None:
         """Append `later` (the same sample's next delta) to this one, in place."""
-        self.token_ids += later.token_ids
-        self.text += later.text
-        self.logprobs = _concat(self.logprobs, later.logprobs)
-        self.readouts = _concat(self.readouts, later.readouts)
-        if later.finish_reason is not None:
-            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        _extend(self, later)
 
 
 @dataclass
@@ -77,12 +72,7 @@ class RequestDelta:
                 mine[s.index].merge(s)
             else:
                 self.samples.append(s)
-        self.prompt_logprobs = _concat(self.prompt_logprobs, later.prompt_logprobs)
-        self.finished = later.finished
-        self.num_cached_tokens = later.num_cached_tokens
-        for name in ("captures", "capture_positions", "capture_run", "capture_error"):
-            if getattr(later, name) is not None:
-                setattr(self, name, getattr(later, name))
+        _follow(self, later)
 
 
 @dataclass
@@ -147,19 +137,8 @@ class RequestOutput:
                 comp = samples[d.index] = CompletionOutput(d.index, "", [])
                 self.outputs.append(comp)
                 self.outputs.sort(key=lambda c: c.index)
-            comp.token_ids += d.token_ids
-            comp.text += d.text
-            comp.logprobs = _concat(comp.logprobs, d.logprobs)
-            comp.readouts = _concat(comp.readouts, d.readouts)
-            if d.finish_reason is not None:
-                comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
-        self.prompt_logprobs = _concat(self.prompt_logprobs, delta.prompt_logprobs)
-        self.finished = delta.finished
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.conversation_id = delta.conversation_id or self.conversation_id
-        for name in ("captures", "capture_positions", "capture_run", "capture_error"):
-            if getattr(delta, name) is not None:
-                setattr(self, name, getattr(delta, name))
+            _extend(comp, d)
+        _follow(self, delta)
 
 
 @dataclass
@@ -184,6 +163,29 @@ class OutputAccumulator:
     def finished(self, deltas: Iterable[RequestDelta]) -> list[RequestOutput]:
         """Add every delta; the totals of the requests they finished, in their order."""
         return [out for out in map(self.add, deltas) if out.finished]
+
+
+def _extend(sample: CompletionOutput | CompletionDelta, d: CompletionDelta) -> None:
+    """Append what `d` added to a sample (a whole one, or an earlier delta of it)."""
+    sample.token_ids += d.token_ids
+    sample.text += d.text
+    sample.logprobs = _concat(sample.logprobs, d.logprobs)
+    sample.readouts = _concat(sample.readouts, d.readouts)
+    if d.finish_reason is not None:
+        sample.finish_reason, sample.stop_reason = d.finish_reason, d.stop_reason
+
+
+def _follow(request: RequestOutput | RequestDelta, d: RequestDelta) -> None:
+    """Bring the request-level fields of `request` (a total, or an earlier delta) up to its
+    later delta `d`: new prompt logprobs appended, the latest state taken, the final's
+    captures kept."""
+    request.prompt_logprobs = _concat(request.prompt_logprobs, d.prompt_logprobs)
+    request.finished = d.finished
+    request.num_cached_tokens = d.num_cached_tokens
+    request.conversation_id = d.conversation_id or request.conversation_id
+    for name in ("captures", "capture_positions", "capture_run", "capture_error"):
+        if getattr(d, name) is not None:
+            setattr(request, name, getattr(d, name))
 
 
 def _concat(a: list | None, b: list | None) -> list | None:

@@ -78,10 +78,6 @@ class Sequence:
         return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
 
     @property
-    def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 

@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import AuthenticationError, Client, Connection, Listener
 from pathlib import Path
 from types import SimpleNamespace
@@ -84,7 +84,7 @@ class BackendAddress:
     process; never log the key)."""
 
     path: str
-    authkey: bytes
+    authkey: bytes = field(repr=False)
 
 
 class BackendServer:
@@ -102,16 +102,13 @@ class BackendServer:
         )
         self._listener: Listener | None = None
         self._loop = asyncio.new_event_loop()
-        self._threads: list[threading.Thread] = []
         self._closed = False
 
     def start(self) -> BackendAddress:
         self._listener = Listener(self.address.path, "AF_UNIX", authkey=self.address.authkey)
         os.chmod(self.address.path, 0o600)
         for target, name in ((self._loop.run_forever, "loop"), (self._accept, "accept")):
-            t = threading.Thread(target=target, name=f"backend-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            threading.Thread(target=target, name=f"backend-{name}", daemon=True).start()
         return self.address
 
     def _accept(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 import redis
 
@@ -131,6 +133,30 @@ def test_make_tiny_then_generate(tmp_path):
         (c,) = x["outputs"]
         assert len(c["token_ids"]) == 6 and c["finish_reason"] == "length"
         assert len(c["logprobs"]) == 6
+
+
+def test_serve_answers_over_http_with_its_keys_and_stops_on_sigterm(tmp_path):
+    model = tmp_path / "tiny"
+    assert _coxswain("model", "make-tiny", "--arch", "llama", "--out", str(model)).returncode == 0
+    keys = tmp_path / "keys"
+    keys.write_text("me:read:" + "k" * 24 + "\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--device", "cpu",
+         "--port", str(port), "--workers", "1", "--api-keys-file", str(keys)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert "serving" in proc.stdout.readline()
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(url, json=body).status_code == 401  # every port authenticates
+        r = httpx.post(url, json=body, headers={"Authorization": "Bearer " + "k" * 24}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
 
 
 def test_generate_reports_bad_checkpoint_and_bad_values(tmp_path):
