@@ -63,6 +63,8 @@ class DeltaStream:
         finished = False
         while not finished:
             item = await queue.get()
+            if not isinstance(item, BaseException) and not queue.empty():
+                item = item.detached()  # listeners saw the delivered delta: leave it as it was
             while not isinstance(item, BaseException) and not queue.empty():
                 later = queue.get_nowait()
                 if isinstance(later, BaseException):

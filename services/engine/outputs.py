@@ -11,7 +11,7 @@ non-streaming HTTP, sweeps, rollouts, the gRPC client's `complete`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 Logprobs = dict[int, float]  # token id -> logprob at one position
@@ -40,6 +40,15 @@ class CompletionDelta:
         """Append `later` (the same sample's next delta) to this one, in place."""
         _extend(self, later)
 
+    def detached(self) -> CompletionDelta:
+        """A copy whose lists a merge may extend without changing this one's."""
+        return replace(
+            self,
+            token_ids=list(self.token_ids),
+            logprobs=_copy(self.logprobs),
+            readouts=_copy(self.readouts),
+        )
+
 
 @dataclass
 class RequestDelta:
@@ -65,14 +74,24 @@ class RequestDelta:
 
     def merge(self, later: RequestDelta) -> None:
         """Fold `later` (the same request's next delta) into this one, in place: one delta
-        that says what both did. How a stream coalesces what a slow reader has not taken."""
+        that says what both did. How a stream coalesces what a slow reader has not taken.
+        Nothing of `later` is changed, then or by later merges."""
         mine = {s.index: s for s in self.samples}
         for s in later.samples:
             if s.index in mine:
                 mine[s.index].merge(s)
             else:
-                self.samples.append(s)
+                self.samples.append(s.detached())
         _follow(self, later)
+
+    def detached(self) -> RequestDelta:
+        """A copy that merges may extend without changing this delta, which others (output
+        listeners) may hold."""
+        return replace(
+            self,
+            samples=[s.detached() for s in self.samples],
+            prompt_logprobs=_copy(self.prompt_logprobs),
+        )
 
 
 @dataclass
@@ -186,6 +205,10 @@ def _follow(request: RequestOutput | RequestDelta, d: RequestDelta) -> None:
     for name in ("captures", "capture_positions", "capture_run", "capture_error"):
         if getattr(d, name) is not None:
             setattr(request, name, getattr(d, name))
+
+
+def _copy(a: list | None) -> list | None:
+    return None if a is None else list(a)
 
 
 def _concat(a: list | None, b: list | None) -> list | None:
