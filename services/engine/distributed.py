@@ -174,7 +174,7 @@ class StepSync:
                     plan.captured.setdefault(key, rows)
                 for key, scores in p["scores"].items():
                     plan.scores.setdefault(key, scores)
-                plan.fired |= p["fired"].to(plan.fired.device)
+                plan.fired = plan.fired | p["fired"].to(plan.fired.device)
         return parts[self.result_rank]["result"]
 
     def stop(self) -> None:

@@ -31,6 +31,7 @@ from services.engine.attention import (
     StepAttentionInputs,
     TritonBackend,
 )
+from services.engine.interventions.planner import SteerTokens
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaFamilyForCausalLM
 from services.engine.model.loader import load_weights
@@ -131,6 +132,11 @@ class StepBatch:
         ("positions", torch.int64, (1, 0)),
         ("slot_mapping", torch.int64, (1, 0)),
         ("prev_rows", torch.int64, (1, 0)),  # placeholder tokens: row in the last sampled
+        # the fused steer op's per-token inputs (interventions.planner.SteerTokens)
+        ("steer_rows", torch.int32, (1, 0)),
+        ("steer_latched", torch.int32, (1, 0)),
+        ("steer_decode", torch.float32, (1, 0)),
+        ("steer_gain", torch.float32, (1, 0)),
         ("logits_rows", torch.int64, (0, 1)),
         ("query_start_loc", torch.int32, (0, 1)),  # plus one
         ("seq_lens", torch.int32, (0, 1)),
@@ -287,12 +293,12 @@ class ModelRunner:
     # -- the step batch -------------------------------------------------------------------
 
     def _build(
-        self, reqs: list[StepRequest], pad_to: int
+        self, reqs: list[StepRequest], pad_to: int, steer: SteerTokens | None = None
     ) -> tuple[int, list[int], list[int], bool]:
         """Write the step into the host buffers in one pass and upload it; returns (number of
         tokens, query start offsets, context lengths, whether placeholders need filling).
         Rows past `len(reqs)` up to `pad_to` are padding: one token each that reads nothing
-        and writes the scratch slot."""
+        and writes the scratch slot. `steer`: the steer op's per-token inputs, if it runs."""
         sb = self.batch
         assert sb is not None, "allocate_kv_cache must run before the first step"
         sb.begin()
@@ -326,6 +332,9 @@ class ModelRunner:
         np_["seq_lens"][:r] = seq_lens
         np_["query_start_loc"][: r + 1] = qsl
         np_["logits_rows"][:r] = qsl[1:] - 1
+        if steer is not None:
+            for name in ("rows", "latched", "decode", "gain"):
+                np_["steer_" + name][:t] = getattr(steer, name)
         if pad_to > r:  # graph padding rows (decode: one token per row)
             np_["input_ids"][t:pad_to] = 0
             np_["positions"][t:pad_to] = 0
@@ -404,9 +413,15 @@ class ModelRunner:
         previous one's tokens reach the host."""
         n = len(reqs)
         bucket = None if eager else self._graph_for(reqs, interventions)
-        t, qsl, seq_lens, fills = self._build(reqs, pad_to=bucket or 0)
+        steer = interventions.steer_tokens if interventions is not None else None
+        t, qsl, seq_lens, fills = self._build(reqs, pad_to=bucket or 0, steer=steer)
         sb = self.batch
         assert sb is not None
+        if interventions is not None:
+            d = sb.dev
+            interventions.bind(
+                *(d["steer_" + k][:t] for k in ("rows", "latched", "decode", "gain"))
+            )
         if fills:
             self._fill_placeholders(t)
         hidden = None

@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.common.errors import (
@@ -50,7 +51,7 @@ from services.engine.interventions.consumers import (
     StepView,
     SyncConsumer,
 )
-from services.engine.interventions.planner import StepInterventions
+from services.engine.interventions.planner import SteerTokens, StepInterventions
 from services.engine.interventions.resolve import (
     ProbeRead,
     ResolvedCapture,
@@ -641,21 +642,11 @@ class InterventionManager:
         def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-        # [T] steering row, latched bits (int32) and decode flag, dynamic gain (float32);
-        # only the kernel reads them, so a step without kernel sites sends none.
-        ints: list[list[int]] = [[], []]
-        floats: list[list[float]] = [[], []]
-        if kernel_sites:
-            self._plan_tokens(sched, ints, floats)
-        rows, latched = tensor(ints, torch.int32)
-        decode, gain = tensor(floats, torch.float32)
         return StepInterventions(
             tables=self.tables,
             kernel_sites=kernel_sites,
-            rows=rows,
-            decode=decode,
-            dyn_gain=gain,
-            latched=latched,
+            # only the kernel reads them, so a step without kernel sites plans none
+            steer_tokens=self._plan_tokens(sched) if kernel_sites else None,
             capture_index={k: tensor(v, torch.long) for k, v in capture_rows.items()},
             capture_meta=capture_meta,
             readout_index={
@@ -677,11 +668,12 @@ class InterventionManager:
             view_sites={k for _, keys in self.consumers.values() for k in keys},
         )
 
-    def _plan_tokens(
-        self, sched: SchedulerOutput, ints: list[list[int]], floats: list[list[float]]
-    ) -> None:
-        rows, latched = ints
-        decode, gain = floats
+    def _plan_tokens(self, sched: SchedulerOutput) -> SteerTokens:
+        """Each token's steering row, latched bits, decode flag and dynamic gain."""
+        rows: list[int] = []
+        latched: list[int] = []
+        decode: list[float] = []
+        gain: list[float] = []
         dyn = self.dynamic_gain if self.tables.dynamic else 0.0
         for s in sched.scheduled:
             seq, n = s.seq, s.num_tokens
@@ -698,6 +690,12 @@ class InterventionManager:
                 latched += [seq.latched] * n_dec
                 decode += [1.0] * n_dec
                 gain += [dyn * iv.dyn_gain if iv else dyn] * n_dec
+        return SteerTokens(
+            rows=np.asarray(rows, np.int32),
+            latched=np.asarray(latched, np.int32),
+            decode=np.asarray(decode, np.float32),
+            gain=np.asarray(gain, np.float32),
+        )
 
     @staticmethod
     def _plan_reads(

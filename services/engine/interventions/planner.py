@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.engine.interventions.resolve import ProbeRead, SiteKey
@@ -20,13 +21,22 @@ from services.engine.kernels.steer import steer
 
 
 @dataclass
+class SteerTokens:
+    """Each token's inputs to the fused steer op, planned on the host. The runner writes them
+    into the step batch (`StepBatch` fields `steer_*`), uploaded with everything else, and
+    binds the device views to the step's `StepInterventions`."""
+
+    rows: np.ndarray  # [T] int32: each token's steering row
+    latched: np.ndarray  # [T] int32: latched gate bits of each token's request
+    decode: np.ndarray  # [T] float32: 1 on decode tokens
+    gain: np.ndarray  # [T] float32: dynamic-tier gain (0 on prefill tokens)
+
+
+@dataclass
 class StepInterventions:
     tables: SteeringTables
     kernel_sites: set[SiteKey]
-    rows: torch.Tensor  # [T] int32: each token's steering row
-    decode: torch.Tensor  # [T] float32: 1 on decode tokens
-    dyn_gain: torch.Tensor  # [T] float32: dynamic-tier gain (0 on prefill tokens)
-    latched: torch.Tensor  # [T] int32: latched gate bits of each token's request
+    steer_tokens: SteerTokens | None  # None when no site runs the steer op this step
     capture_index: dict[SiteKey, torch.Tensor] = field(default_factory=dict)  # rows to copy
     # per (layer, site): (request id, positions) of the copied rows, in row order
     capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = field(default_factory=dict)
@@ -41,10 +51,16 @@ class StepInterventions:
     view_sites: set[SiteKey] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.fired = torch.zeros_like(self.latched)  # [T] int32: gate bits that fired
         self.captured: dict[SiteKey, torch.Tensor] = {}
         self.scores: dict[SiteKey, torch.Tensor] = {}
         self.view: dict[SiteKey, torch.Tensor] = {}
+
+    def bind(
+        self, rows: torch.Tensor, latched: torch.Tensor, decode: torch.Tensor, gain: torch.Tensor
+    ) -> None:
+        """The device views of `steer_tokens` in the uploaded step batch (each [T])."""
+        self.rows, self.latched, self.decode, self.dyn_gain = rows, latched, decode, gain
+        self.fired = torch.zeros_like(latched)  # [T] int32: gate bits that fired
 
     def apply(self, layer: int, site: str, h: torch.Tensor) -> torch.Tensor:
         """capture → read-outs and monitor → patch → steer at one site; [T, H].
