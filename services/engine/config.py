@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequestError
+from services.engine.interventions.sites import SITES
 
 
 @dataclass
@@ -46,6 +47,10 @@ class EngineConfig:
     # `attention_backend`: "auto" (Triton on CUDA, SDPA on CPU), "triton" or "sdpa".
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    # Sites (of every layer) where steered decode steps replay a CUDA graph too: a second
+    # graph per bucket runs the fused steer op there, with every switch read from the
+    # steering tables. Steps that steer elsewhere, capture, read out or patch run eagerly.
+    graph_steering_sites: tuple[str, ...] = ("post_block",)
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).
     async_scheduling: bool = True
@@ -63,6 +68,11 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        unknown = set(self.graph_steering_sites) - set(SITES)
+        if unknown:
+            raise InvalidRequestError(
+                f"graph_steering_sites: unknown sites {sorted(unknown)} (sites: {SITES})"
+            )
         if self.attention_backend not in ("auto", "triton", "sdpa"):
             raise InvalidRequestError(
                 f"attention_backend must be auto, triton or sdpa, got {self.attention_backend!r}"

@@ -105,13 +105,6 @@ class LLMEngine:
             self.max_model_len = num_blocks * cfg.block_size
         self.runner.max_model_len = self.max_model_len
         self.runner.allocate_kv_cache(num_blocks)
-        if not cfg.enforce_eager and self.runner.can_use_graphs():
-            self.runner.capture_decode_graphs()
-        self.adapters: AdapterBank | None = None
-        if cfg.adapter_capacity > 0:
-            self.adapters = AdapterBank(cfg.adapter_capacity, cfg.adapter_rank, cfg.adapter_targets)
-            self.adapters.attach(self.runner.model)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.interventions = InterventionManager(
             self.model_config.num_layers,
             self.model_config.hidden_size,
@@ -121,6 +114,18 @@ class LLMEngine:
             dynamic_rows=cfg.steering_dynamic_rows,
             action_queue_size=cfg.action_queue_size,
         )
+        if not cfg.enforce_eager and self.runner.can_use_graphs():
+            steer_sites = frozenset(
+                (layer, site)
+                for layer in range(self.model_config.num_layers)
+                for site in cfg.graph_steering_sites
+            )
+            self.runner.capture_decode_graphs(self.interventions.tables, steer_sites)
+        self.adapters: AdapterBank | None = None
+        if cfg.adapter_capacity > 0:
+            self.adapters = AdapterBank(cfg.adapter_capacity, cfg.adapter_rank, cfg.adapter_targets)
+            self.adapters.attach(self.runner.model)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.interventions.patch_sources = patch_store
         self.interventions.model_name = str(self.model_dir)
         if sync is not None:
@@ -351,8 +356,7 @@ class LLMEngine:
             if self.adapters is not None:
                 self.adapters.end_step()
         self.num_steps += 1
-        if overlap:
-            assert plan is None, "an idle InterventionManager plans nothing"
+        if overlap:  # nothing of this step is read back but its tokens (see _can_overlap)
             self.scheduler.advance(sched)
             self._hold_places(sched)
             previous, self._in_flight = self._in_flight, (sched, pending)
@@ -367,13 +371,14 @@ class LLMEngine:
         return outputs + self._accept(sched, result, report)
 
     def _can_overlap(self) -> bool:
-        """Overlap needs a one-process replica with no interventions and no adapters in use:
-        those read each step's results on the host before the next step may be planned."""
+        """Overlap needs a one-process replica where no step's results but its tokens are
+        read on the host before the next step is planned: steering may run, but not
+        captures, read-outs, patches, gates or consumers, and no adapter may be loaded."""
         return (
             self.config.async_scheduling
             and self.sync is None
             and (self.adapters is None or not self.adapters.loaded)
-            and self.interventions.idle()
+            and self.interventions.reads_nothing_back()
         )
 
     def _drain(self) -> list[RequestDelta]:
@@ -605,6 +610,7 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_graph_steps": self.runner.num_graph_steps,
+            "num_steered_graph_steps": self.runner.num_steered_graph_steps,
             "num_eager_steps": self.runner.num_eager_steps,
             "config": asdict(self.config),
         }

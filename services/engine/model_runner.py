@@ -31,7 +31,9 @@ from services.engine.attention import (
     StepAttentionInputs,
     TritonBackend,
 )
-from services.engine.interventions.planner import SteerTokens
+from services.engine.interventions.planner import SteerTokens, StepInterventions
+from services.engine.interventions.resolve import SiteKey
+from services.engine.interventions.tables import SteeringTables
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaFamilyForCausalLM
 from services.engine.model.loader import load_weights
@@ -112,6 +114,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     sizes += range(16, max_num_seqs, 8)
     return [*sizes, max_num_seqs]
+
+
+STEER_FIELDS = ("rows", "latched", "decode", "gain")  # SteerTokens, as StepBatch `steer_*`
 
 
 class StepBatch:
@@ -195,6 +200,11 @@ class StepBatch:
         event = self._uploaded[self._turn] = torch.cuda.Event()
         event.record()
 
+    def steer_views(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """The device `steer_*` fields of a step's first tokens, in `StepInterventions.bind`
+        order (rows, latched, decode, gain)."""
+        return tuple(self.dev["steer_" + k][:num_tokens] for k in STEER_FIELDS)
+
     def attention_inputs(
         self, num_tokens: int, num_seqs: int, block_size: int, qsl: list[int], lens: list[int]
     ) -> StepAttentionInputs:
@@ -259,9 +269,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.batch: StepBatch | None = None
         self.scratch_slot = 0
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int, _Graph] = {}  # bucket -> plain decode graph
+        self.steered_graphs: dict[int, _Graph] = {}  # bucket -> the steer op at graph sites
         self.graph_sizes: list[int] = []
+        self.graph_steer_sites: frozenset[SiteKey] = frozenset()
+        self._graph_fired = torch.zeros(0, dtype=torch.int32)  # [max bucket], gate bits
         self.num_graph_steps = 0  # steps that replayed a CUDA graph
+        self.num_steered_graph_steps = 0  # ... of them, a steered one
         self.num_eager_steps = 0
         # The last launched step's sampled tokens (device) and each sequence's row in them.
         self._prev_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
@@ -333,9 +347,11 @@ class ModelRunner:
         np_["query_start_loc"][: r + 1] = qsl
         np_["logits_rows"][:r] = qsl[1:] - 1
         if steer is not None:
-            for name in ("rows", "latched", "decode", "gain"):
+            for name in STEER_FIELDS:
                 np_["steer_" + name][:t] = getattr(steer, name)
         if pad_to > r:  # graph padding rows (decode: one token per row)
+            for name in STEER_FIELDS:  # the zero row: no steering
+                np_["steer_" + name][t:pad_to] = 0
             np_["input_ids"][t:pad_to] = 0
             np_["positions"][t:pad_to] = 0
             np_["slot_mapping"][t:pad_to] = self.scratch_slot
@@ -350,8 +366,13 @@ class ModelRunner:
         return self.device.type == "cuda" and self.ctx.world_size == 1
 
     @torch.inference_mode()
-    def capture_decode_graphs(self) -> None:
-        """Capture one decode step (embedding → logits, float32) per batch-size bucket.
+    def capture_decode_graphs(
+        self, steering: SteeringTables | None = None, steer_sites: frozenset[SiteKey] = frozenset()
+    ) -> None:
+        """Capture one decode step (embedding → logits, float32) per batch-size bucket, and
+        with `steering`, a second one per bucket that runs the fused steer op at every
+        (layer, site) of `steer_sites`, reading the step batch's `steer_*` fields and the
+        tables (fixed addresses: they are only written in place).
 
         Buckets are captured largest first into one memory pool, so smaller ones reuse its
         memory. Logs the time and memory they took."""
@@ -361,37 +382,74 @@ class ModelRunner:
         t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
         sb = self.batch
         self._build([], pad_to=sizes[-1])  # every row padding: reads nothing, writes scratch
+        steered = steering is not None and bool(steer_sites)
+        if steered:
+            self._graph_fired = torch.zeros(sizes[-1], dtype=torch.int32, device=self.device)
         pool = None
         for size in reversed(sizes):
             inputs = sb.attention_inputs(size, size, self.block_size, list(range(size + 1)), [0])
             inputs.max_query_len = 1
             meta = self.backend.prepare(inputs)
             ids, pos = sb.dev["input_ids"][:size], sb.dev["positions"][:size]
-            run = lambda: self.model.compute_logits(self.model(pos, meta, input_ids=ids)).float()  # noqa: E731,B023
-            run()  # compiles kernels and settles allocations outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = run()
-            pool = graph.pool()
-            self.graphs[size] = _Graph(graph, logits)
+            iv = None
+            if steered:
+                iv = StepInterventions(steering, set(steer_sites), None)
+                iv.bind(*sb.steer_views(size))
+                iv.fired = self._graph_fired[:size]
+            for kind, interventions in (("plain", None), ("steered", iv)):
+                if kind == "steered" and interventions is None:
+                    continue
+                graph, logits = self._capture(ids, pos, meta, interventions, pool)
+                pool = graph.pool()
+                (self.graphs if kind == "plain" else self.steered_graphs)[size] = _Graph(
+                    graph, logits
+                )
         torch.cuda.synchronize(self.device)
         self.graph_sizes = sizes
+        self.graph_steer_sites = steer_sites if steered else frozenset()
         log.info(
-            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, using %.0f MiB",
-            len(sizes),
+            "captured %d decode CUDA graphs (batch %d..%d%s) in %.1f s, using %.0f MiB",
+            len(self.graphs) + len(self.steered_graphs),
             sizes[0],
             sizes[-1],
+            f"; plain and steered at {len(steer_sites)} sites" if steered else "",
             time.perf_counter() - t0,
             (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20,
         )
 
+    def _capture(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: Any, iv: Any, pool: Any
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        def run() -> torch.Tensor:
+            if iv is not None:
+                iv.fired.zero_()  # the gates OR their bits in
+            hidden = self.model(pos, meta, input_ids=ids, interventions=iv)
+            return self.model.compute_logits(hidden).float()
+
+        run()  # compiles kernels and settles allocations outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = run()
+        return graph, logits
+
     def _graph_for(self, reqs: list[StepRequest], interventions: Any) -> int | None:
         """The bucket whose graph runs this step, or None to run eagerly."""
-        if not self.graph_sizes or interventions is not None or len(reqs) > self.graph_sizes[-1]:
+        if not self.graph_sizes or len(reqs) > self.graph_sizes[-1]:
+            return None
+        if interventions is not None and not self._steered_graph_serves(interventions):
             return None
         if any(q.num_tokens != 1 or q.prompt_logprobs is not None for q in reqs):
             return None
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
+
+    def _steered_graph_serves(self, iv: StepInterventions) -> bool:
+        """Whether the steered graphs run everything `iv` does: the steer op only, at sites
+        they were captured with (captures, read-outs, patches and views run eagerly)."""
+        return (
+            bool(self.steered_graphs)
+            and iv.kernel_sites <= self.graph_steer_sites
+            and not (iv.capture_index or iv.readout_index or iv.patch_index or iv.view_sites)
+        )
 
     # -- the step -------------------------------------------------------------------------
 
@@ -418,17 +476,19 @@ class ModelRunner:
         sb = self.batch
         assert sb is not None
         if interventions is not None:
-            d = sb.dev
-            interventions.bind(
-                *(d["steer_" + k][:t] for k in ("rows", "latched", "decode", "gain"))
-            )
+            interventions.bind(*sb.steer_views(t))
         if fills:
             self._fill_placeholders(t)
         hidden = None
         sample_rows = [i for i, q in enumerate(reqs) if q.samples]
         if bucket is not None:
             self.num_graph_steps += 1
-            entry = self.graphs[bucket]
+            if interventions is None:
+                entry = self.graphs[bucket]
+            else:
+                entry = self.steered_graphs[bucket]
+                self.num_steered_graph_steps += 1
+                interventions.fired = self._graph_fired[:n]
             entry.graph.replay()
             logits = entry.logits[:n]
             if len(sample_rows) < n:

@@ -98,3 +98,63 @@ def test_staggered_greedy_matches_between_graphs_and_eager(tiny_checkpoint):
         LLMEngine(path, EngineConfig(enforce_eager=True, **cfg)), _prompts(), params, 2
     )
     assert a == b
+
+
+# -- steered decode in CUDA graphs ---------------------------------------------------------
+
+
+def _steering(i: int, hidden: int, num_layers: int) -> dict:
+    vec = torch.randn(hidden, generator=torch.Generator().manual_seed(100 + i)) * 4
+    every = list(range(num_layers))
+    return {"vectors": [{"layers": every, "site": "post_block", "vector": vec.tolist()}]}
+
+
+def _run_steered(path, dtype: str, eager: bool, steered: set[int]):
+    """The prompts staggered, those in `steered` each with a steering config of its own."""
+    cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8)
+    engine = LLMEngine(path, cfg)
+    shape = engine.model_config.hidden_size, engine.model_config.num_layers
+    outs = {}
+    pending = list(enumerate(_prompts()))
+    totals = OutputAccumulator()
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            steer = _steering(i, *shape) if i in steered else None
+            params = SamplingParams(
+                max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, steering=steer
+            )
+            engine.add_request(str(i), p, params)
+        for out in totals.finished(engine.step()):
+            outs[out.request_id] = out.outputs[0]
+    return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_steered_decode_replays_its_graph_and_equals_eager(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    steered = {0, 2, 3, 5}
+    graph, gstats = _run_steered(path, "float32", False, steered)
+    eager, estats = _run_steered(path, "float32", True, steered)
+    assert gstats["num_steered_graph_steps"] > 10 and estats["num_graph_steps"] == 0
+    for g, e in zip(graph, eager, strict=True):
+        assert g.token_ids == e.token_ids
+        for dg, de in zip(g.logprobs, e.logprobs, strict=True):
+            for t in dg:
+                assert dg[t] == pytest.approx(de[t], abs=1e-4)
+    plain, _ = _run_steered(path, "float32", False, set())
+    moved = [i for i in steered if plain[i].logprobs[0] != graph[i].logprobs[0]]
+    assert moved == sorted(steered)  # the steering reached every steered request
+
+
+def test_an_unsteered_request_beside_steered_ones_gets_what_it_gets_alone(tiny_checkpoint):
+    """The steered graph runs the steer op on every token; a token of the zero row gets
+    exactly zero added, so unsteered requests keep their logprobs."""
+    path = tiny_checkpoint("llama")
+    mixed, _ = _run_steered(path, "float32", False, {0, 2, 3, 5})
+    plain, _ = _run_steered(path, "float32", False, set())
+    for i in (1, 4):
+        assert mixed[i].token_ids == plain[i].token_ids
+        for dm, dp in zip(mixed[i].logprobs, plain[i].logprobs, strict=True):
+            for t in dm:
+                assert dm[t] == pytest.approx(dp[t], abs=1e-4)

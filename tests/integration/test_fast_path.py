@@ -3,6 +3,8 @@ step batch holds exactly the inputs the model needs (CUDA graphs: tests/gpu)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,12 +42,27 @@ def _workload() -> list[tuple[str, str, SamplingParams]]:
     ]
 
 
-def _run(model_dir, overlap: bool, stagger: bool = True, **config) -> dict:
+def _steered(work: list, hidden: int) -> list:
+    """Every other request steered, each by a vector of its own (prefill and decode)."""
+    out = []
+    for i, (rid, prompt, params) in enumerate(work):
+        if i % 2 == 0:
+            vec = torch.randn(hidden, generator=torch.Generator().manual_seed(i)) * 4
+            site = "post_block" if i % 4 == 0 else "pre_attn"
+            steer = {"vectors": [{"layers": [0, 1], "site": site, "vector": vec.tolist()}]}
+            params = dataclasses.replace(params, steering=steer)
+        out.append((rid, prompt, params))
+    return out
+
+
+def _run(model_dir, overlap: bool, stagger: bool = True, steer: bool = False, **config) -> dict:
     engine = LLMEngine(
         model_dir,
         EngineConfig(device="cpu", dtype="float32", async_scheduling=overlap, **config),
     )
     work = _workload()
+    if steer:
+        work = _steered(work, engine.model_config.hidden_size)
     finished = {}
     steps = 0
     totals = OutputAccumulator()
@@ -138,12 +155,25 @@ def test_abort_while_a_step_is_in_flight_frees_everything(model_dir):
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
 
 
-def test_a_steered_request_turns_overlap_off_until_it_ends(model_dir):
+def test_steered_steps_overlap_and_give_what_synchronous_steps_give(model_dir):
+    sync = _run(model_dir, overlap=False, steer=True)
+    overlapped = _run(model_dir, overlap=True, steer=True)
+    _same(overlapped, sync)
+    plain = _run(model_dir, overlap=True)
+    assert plain["greedy"].outputs[0].token_ids != overlapped["greedy"].outputs[0].token_ids
+
+
+def test_steering_overlaps_but_what_is_read_back_does_not(model_dir):
+    """Steering is planned from host state, so its steps overlap; a read-out (or capture,
+    patch, gate, consumer) is read on the host after each step, so it turns overlap off
+    until its request ends."""
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
-    assert engine._can_overlap()
     vec = torch.randn(engine.model_config.hidden_size).tolist()
     steer = {"vectors": [{"layers": [1], "site": "post_block", "vector": vec, "scale": 2.0}]}
     engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=3, steering=steer))
+    assert engine._can_overlap()
+    readouts = [{"probe": vec, "layer": 1, "name": "p"}]
+    engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=3, readouts=readouts))
     assert not engine._can_overlap()
     while engine.has_unfinished_requests():
         engine.step()

@@ -602,14 +602,22 @@ class InterventionManager:
 
     # -- the step -------------------------------------------------------------------------
 
-    def idle(self) -> bool:
-        """Nothing intervenes in any step now: no steered site, no consumer, and no live
-        request with steering, capture, read-outs or patches (so `plan` returns None)."""
-        return (
-            not self.tables.active_sites()
-            and not self.consumers
-            and all(g.interventions is None for g in self.requests.values())
-        )
+    def reads_nothing_back(self) -> bool:
+        """No step needs its results on the host before the next is planned: no consumer,
+        and no live request with a capture, read-outs, an abort probe, patches or gates
+        (gates latch from what fired). Steering, the dynamic tier and monitors are planned
+        from host state alone, so such steps may overlap (`LLMEngine.step`)."""
+        if self.consumers:
+            return False
+        for group in self.requests.values():
+            iv = group.interventions
+            if iv is None:
+                continue
+            if iv.capture is not None or iv.probes or iv.patches is not None:
+                return False
+            if iv.decode_content.gates or (iv.steering and iv.steering.prefill.gates):
+                return False
+        return True
 
     def plan(self, sched: SchedulerOutput) -> StepInterventions | None:
         """Per-token tensors for this step, or None when nothing intervenes in it."""

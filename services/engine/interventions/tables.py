@@ -4,8 +4,9 @@ Per site, tables are indexed `[layer, row]`: row 0 is zero, row 1 the global pre
 vector, row 2 the global decode vector, then the per-request pool, then the
 dynamic-override pool. A request holds one row index across every (layer, site), so a
 step carries one row index per token and one kernel launch per site serves the whole
-batch however many distinct configs it holds. Big tables are allocated per site on first
-use; unused ones read a shared zero table.
+batch however many distinct configs it holds. Every table is allocated at its full
+capacity when the engine starts and only ever written in place: a CUDA graph captured
+over them reads whatever rows hold at each replay.
 """
 
 from __future__ import annotations
@@ -92,24 +93,21 @@ class SteeringTables:
         f32 = torch.float32
         self.row_scale = torch.ones(R, device=device, dtype=f32)  # [R]
         self._host_scale: dict[int, float] = {}  # rows whose scale is not 1 (host mirror)
-        self.vec: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
-        self.gate_probe: dict[str, torch.Tensor] = {}  # site -> [L, R, H], on first use
-        self.gate_vec: dict[str, torch.Tensor] = {}
-        self.gate_params = {s: torch.zeros(L, R, 7, device=device, dtype=f32) for s in SITES}
-        self.dyn_vec = {s: torch.zeros(L, H, device=device, dtype=dtype) for s in SITES}
-        self.mon_probe = {s: torch.zeros(L, H, device=device, dtype=dtype) for s in SITES}
-        self.mon_params = {s: torch.zeros(L, 4, device=device, dtype=f32) for s in SITES}
-        self._zero = torch.zeros(R, H, device=device, dtype=dtype)
+
+        def table(*shape: int, dtype: torch.dtype = dtype) -> dict[str, torch.Tensor]:
+            return {s: torch.zeros(*shape, device=device, dtype=dtype) for s in SITES}
+
+        self.vec = table(L, R, H)  # site -> [L, R, H]
+        self.gate_probe = table(L, R, H)
+        self.gate_vec = table(L, R, H)
+        self.gate_params = table(L, R, 7, dtype=f32)
+        self.dyn_vec = table(L, H)
+        self.mon_probe = table(L, H)
+        self.mon_params = table(L, 4, dtype=f32)
         # How many installed things read each (layer, site): the kernel runs where > 0.
         self.site_use: Counter[SiteKey] = Counter()
         self.dynamic: dict[SiteKey, torch.Tensor] = {}  # host copies, for snapshots
         self.monitors: dict[SiteKey, dict] = {}
-
-    def _table(self, tables: dict[str, torch.Tensor], site: str) -> torch.Tensor:
-        if site not in tables:
-            L, R, H = self.num_layers, self.num_rows, self.hidden_size
-            tables[site] = torch.zeros(L, R, H, device=self.device, dtype=self.dtype)
-        return tables[site]
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, self.dtype, non_blocking=True)
@@ -118,10 +116,10 @@ class SteeringTables:
 
     def write_row(self, row: int, content: RowContent) -> None:
         for (layer, site), v in content.vectors.items():
-            self._table(self.vec, site)[layer, row] = self._dev(v)
+            self.vec[site][layer, row] = self._dev(v)
         for (layer, site), g in content.gates.items():
-            self._table(self.gate_probe, site)[layer, row] = self._dev(g.probe)
-            self._table(self.gate_vec, site)[layer, row] = self._dev(g.vector)
+            self.gate_probe[site][layer, row] = self._dev(g.probe)
+            self.gate_vec[site][layer, row] = self._dev(g.vector)
             params = [1.0, g.threshold, g.sharpness, g.scale, float(g.attenuate), g.bit, g.latch]
             self.gate_params[site][layer, row] = torch.tensor(params, dtype=torch.float32)
         self.site_use.update(content.sites())
@@ -192,12 +190,12 @@ class SteeringTables:
     def site_args(self, layer: int, site: str) -> dict[str, torch.Tensor]:
         """The table views the fused op reads at (layer, site)."""
         return {
-            "vec": self.vec[site][layer] if site in self.vec else self._zero,
+            "vec": self.vec[site][layer],
             "row_scale": self.row_scale,
             "dyn_vec": self.dyn_vec[site][layer],
             "mon_probe": self.mon_probe[site][layer],
             "mon_params": self.mon_params[site][layer],
-            "gate_probe": self.gate_probe[site][layer] if site in self.gate_probe else self._zero,
-            "gate_vec": self.gate_vec[site][layer] if site in self.gate_vec else self._zero,
+            "gate_probe": self.gate_probe[site][layer],
+            "gate_vec": self.gate_vec[site][layer],
             "gate_params": self.gate_params[site][layer],
         }
