@@ -137,11 +137,18 @@ def _run_position(entry: PatchEntry) -> int:
 
 
 def digest(*parts: Any) -> bytes:
-    """A 16-byte digest of tensors, numbers and strings (order-sensitive)."""
+    """A 16-byte digest of tensors, numbers and strings (order-sensitive). A tensor counts by
+    the digest of its float32 values, taken once however often it recurs (one vector given
+    for every layer is one tensor behind every layer's key)."""
     h = hashlib.blake2b(digest_size=16)
+    seen: dict[int, bytes] = {}
     for part in parts:
         if isinstance(part, torch.Tensor):
-            h.update(part.detach().to(torch.float32).contiguous().numpy().tobytes())
+            d = seen.get(id(part))
+            if d is None:
+                values = part.detach().to(torch.float32).contiguous().numpy().tobytes()
+                d = seen[id(part)] = hashlib.blake2b(values, digest_size=16).digest()
+            h.update(d)
         else:
             h.update(repr(part).encode())
         h.update(b"\x00")
@@ -233,14 +240,21 @@ class Resolver:
         decode: dict[SiteKey, torch.Tensor] = {}
         for i, v in enumerate(spec.vectors):
             what = f"steering.vectors[{i}]"
+            scaled: dict[int, torch.Tensor] = {}  # a vector shared by layers is scaled once
             for layer, vec in self.layer_vectors(v.vector, v.layers, what).items():
+                if id(vec) not in scaled:
+                    scaled[id(vec)] = v.scale * vec
+                term = scaled[id(vec)]
                 for phase, table in (("prefill", prefill), ("decode", decode)):
                     if v.phase in (phase, "both"):
                         key = (layer, v.site)
-                        table[key] = table.get(key, 0) + v.scale * vec
+                        table[key] = table[key] + term if key in table else term
+        finite: dict[int, bool] = {}  # by tensor: a shared one is checked once
         for table in (prefill, decode):
             for (layer, site), vec in table.items():
-                if not bool(torch.isfinite(vec).all()):
+                if id(vec) not in finite:
+                    finite[id(vec)] = bool(torch.isfinite(vec).all())
+                if not finite[id(vec)]:
                     raise InvalidRequestError(
                         f"steering: scale × vector overflows at layer {layer} {site}"
                     )

@@ -115,8 +115,12 @@ class SteeringTables:
     # -- rows ---------------------------------------------------------------------------
 
     def write_row(self, row: int, content: RowContent) -> None:
+        by_site: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for (layer, site), v in content.vectors.items():
-            self.vec[site][layer, row] = self._dev(v)
+            by_site.setdefault(site, []).append((layer, v))
+        for site, entries in by_site.items():  # one copy per site, not one per layer
+            layers = torch.tensor([layer for layer, _ in entries], device=self.device)
+            self.vec[site][layers, row] = self._dev(torch.stack([v for _, v in entries]))
         for (layer, site), g in content.gates.items():
             self.gate_probe[site][layer, row] = self._dev(g.probe)
             self.gate_vec[site][layer, row] = self._dev(g.vector)
