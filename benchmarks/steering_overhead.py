@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,37 @@ def run_coxswain(
     return RunResult(name, sum(map(len, outputs)), seconds, outputs, captures)
 
 
+def decode_rates(
+    llm: LLM, prompts: list[list[int]], configs: dict[str, list[SamplingParams]], steps: int,
+    repeats: int, device: torch.device,
+) -> dict[str, float]:  # fmt: skip
+    """Steady-state decode tok/s of each config: every request prefilled and a few steps
+    warm, then `steps` timed engine steps of the whole batch (no request ends in them);
+    the best of `repeats`, taken round-robin over the configs."""
+    engine = llm.engine
+    best = dict.fromkeys(configs, 0.0)
+    for _ in range(repeats):
+        for name, params in configs.items():
+            for i, p in enumerate(prompts):
+                cfg = params[i % len(params)]
+                engine.add_request(f"decode-{i}", p, replace(cfg, max_tokens=steps + 16))
+            while any(g.seqs[0].num_generated == 0 for g in engine.requests.values()):
+                engine.step()
+            for _ in range(4):
+                engine.step()
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            sync(device)
+            best[name] = max(best[name], len(prompts) * steps / (time.perf_counter() - start))
+            for rid in list(engine.requests):
+                engine.abort(rid)
+            while engine.step():  # the step still in flight
+                pass
+    return best
+
+
 # -- Hugging Face ------------------------------------------------------------------------
 
 
@@ -215,6 +246,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per config; best counts")
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=0,
+        help="also time this many steady-state decode steps of the whole batch per config "
+        "(each as a fraction of plain decode in the same run)",
+    )
     args = p.parse_args(argv)
     resolve_device(args)
     args.ks = [int(k) for k in args.ks.split(",") if k]
@@ -379,6 +417,23 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
     print(f"coxswain capture: all {L} layers' last-prompt residual in {complete}/{n} requests")
     if complete < n:
         print("WARNING: some captures are missing or misshapen")
+
+    if args.decode_steps:
+        decode_configs = {name: c for name, c in configs.items() if name != "coxswain capture"}
+        rates = decode_rates(llm, work, decode_configs, args.decode_steps, args.repeats, device)
+        plain_rate = rates["coxswain unsteered"]
+        print(
+            f"\nsteady-state decode of all {args.num_seqs} requests, {args.decode_steps} steps "
+            f"after prefill (best of {args.repeats}):"
+        )
+        print(f"{'config':<26}{'tok/s':>10}  of plain")
+        for name, rate in rates.items():
+            print(f"{name:<26}{rate:>10.1f}  {rate / plain_rate:6.1%}")
+        stats = llm.engine.stats()
+        print(
+            f"graph steps: {stats['num_graph_steps']} (steered {stats['num_steered_graph_steps']}),"
+            f" eager steps: {stats['num_eager_steps']}"
+        )
 
     print()
     if hf and args.hf_k in by_k:

@@ -55,6 +55,18 @@ class StepInterventions:
         self.scores: dict[SiteKey, torch.Tensor] = {}
         self.view: dict[SiteKey, torch.Tensor] = {}
 
+    def touches(self, layer: int, site: str) -> bool:
+        """Whether anything happens at (layer, site) this step (else the model may fuse
+        across it)."""
+        key = (layer, site)
+        return (
+            key in self.kernel_sites
+            or key in self.capture_index
+            or key in self.readout_index
+            or key in self.patch_index
+            or key in self.view_sites
+        )
+
     def bind(
         self, rows: torch.Tensor, latched: torch.Tensor, decode: torch.Tensor, gain: torch.Tensor
     ) -> None:

@@ -106,6 +106,9 @@ class SteeringTables:
         self.mon_params = table(L, 4, dtype=f32)
         # How many installed things read each (layer, site): the kernel runs where > 0.
         self.site_use: Counter[SiteKey] = Counter()
+        self._slabs: list[torch.Tensor] = []  # pinned staging for `_upload`, made on first use
+        self._slab_done: list[torch.cuda.Event | None] = []
+        self._slab_turn = 0
         self.dynamic: dict[SiteKey, torch.Tensor] = {}  # host copies, for snapshots
         self.monitors: dict[SiteKey, dict] = {}
 
@@ -114,13 +117,37 @@ class SteeringTables:
 
     # -- rows ---------------------------------------------------------------------------
 
+    def _upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`dst.copy_(src)` (a host tensor) without waiting for the device. A copy from
+        pageable memory would wait for everything queued, the step in flight included; on
+        CUDA it goes through one of a ring of pinned slabs, each reused once its last copy
+        has run."""
+        if self.device.type != "cuda":
+            dst.copy_(src)
+            return
+        if not self._slabs:
+            n = self.num_layers * self.hidden_size
+            self._slabs = [torch.empty(n, dtype=self.dtype, pin_memory=True) for _ in range(8)]
+            self._slab_done = [None] * len(self._slabs)
+        i = self._slab_turn = (self._slab_turn + 1) % len(self._slabs)
+        done = self._slab_done[i]
+        if done is not None:
+            done.synchronize()
+        slab = self._slabs[i][: src.numel()].view(src.shape)
+        slab.copy_(src)
+        dst.copy_(slab, non_blocking=True)
+        self._slab_done[i] = event = torch.cuda.Event()
+        event.record()
+
     def write_row(self, row: int, content: RowContent) -> None:
         by_site: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for (layer, site), v in content.vectors.items():
             by_site.setdefault(site, []).append((layer, v))
-        for site, entries in by_site.items():  # one copy per site, not one per layer
-            layers = torch.tensor([layer for layer, _ in entries], device=self.device)
-            self.vec[site][layers, row] = self._dev(torch.stack([v for _, v in entries]))
+        for site, entries in by_site.items():  # one copy per site: every layer of the row
+            slab = torch.zeros(self.num_layers, self.hidden_size, dtype=self.dtype)
+            for layer, v in entries:  # layers it leaves out are zero, as a free row is
+                slab[layer] = v
+            self._upload(self.vec[site][:, row], slab)
         for (layer, site), g in content.gates.items():
             self.gate_probe[site][layer, row] = self._dev(g.probe)
             self.gate_vec[site][layer, row] = self._dev(g.vector)
