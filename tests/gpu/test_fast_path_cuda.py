@@ -4,6 +4,7 @@ sync beyond the copy of its sampled tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -22,16 +23,20 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(8, 512) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _run(path, dtype: str, eager: bool, params: SamplingParams):
+def _run(path, dtype: str, eager: bool, params: SamplingParams, steered: set[int] = frozenset()):
+    """The prompts staggered (batch sizes change every step, across graph buckets); those in
+    `steered` each with a steering config of its own."""
     cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8)
     engine = LLMEngine(path, cfg)
+    shape = engine.model_config.hidden_size, engine.model_config.num_layers
     outs = {}
     pending = list(enumerate(_prompts()))
     totals = OutputAccumulator()
     while pending or engine.has_unfinished_requests():
-        if pending:  # staggered: batch sizes change every step, across graph buckets
+        if pending:
             i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
+            steer = _steering(i, *shape) if i in steered else None
+            engine.add_request(str(i), p, dataclasses.replace(params, steering=steer))
         for out in totals.finished(engine.step()):
             outs[out.request_id] = out.outputs[0]
     return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats()
@@ -109,25 +114,11 @@ def _steering(i: int, hidden: int, num_layers: int) -> dict:
     return {"vectors": [{"layers": every, "site": "post_block", "vector": vec.tolist()}]}
 
 
+STEERED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
 def _run_steered(path, dtype: str, eager: bool, steered: set[int]):
-    """The prompts staggered, those in `steered` each with a steering config of its own."""
-    cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8)
-    engine = LLMEngine(path, cfg)
-    shape = engine.model_config.hidden_size, engine.model_config.num_layers
-    outs = {}
-    pending = list(enumerate(_prompts()))
-    totals = OutputAccumulator()
-    while pending or engine.has_unfinished_requests():
-        if pending:
-            i, p = pending.pop(0)
-            steer = _steering(i, *shape) if i in steered else None
-            params = SamplingParams(
-                max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, steering=steer
-            )
-            engine.add_request(str(i), p, params)
-        for out in totals.finished(engine.step()):
-            outs[out.request_id] = out.outputs[0]
-    return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats()
+    return _run(path, dtype, eager, STEERED, steered)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
