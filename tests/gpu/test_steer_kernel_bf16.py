@@ -29,6 +29,17 @@ def test_kernel_matches_reference(dtype, T, H):
     assert torch.equal(fired, ref_fired)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_with_a_residual_add_matches_reference(dtype):
+    """The residual add folded into the op rounds h + add to h's dtype as PyTorch does."""
+    case = random_case(37, 1536, R=17, dtype=dtype, device="cuda", seed=5)
+    case["add"] = torch.randn(37, 1536, device="cuda").to(dtype)
+    ref, ref_fired = run(steer_reference, case)
+    out, fired = run(steer_triton, case)
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+    assert torch.equal(fired, ref_fired)
+
+
 def test_dispatcher_uses_kernel_on_cuda(monkeypatch):
     from services.engine.kernels import steer as steer_module
 

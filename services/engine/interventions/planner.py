@@ -59,9 +59,13 @@ class StepInterventions:
         """Whether anything happens at (layer, site) this step (else the model may fuse
         across it)."""
         key = (layer, site)
+        return key in self.kernel_sites or self._reads_or_patches(key)
+
+    def _reads_or_patches(self, key: SiteKey) -> bool:
+        """Whether something at `key` reads the residual (capture, read-out, a consumer's
+        view) or replaces rows of it (a patch)."""
         return (
-            key in self.kernel_sites
-            or key in self.capture_index
+            key in self.capture_index
             or key in self.readout_index
             or key in self.patch_index
             or key in self.view_sites
@@ -74,13 +78,18 @@ class StepInterventions:
         self.rows, self.latched, self.decode, self.dyn_gain = rows, latched, decode, gain
         self.fired = torch.zeros_like(latched)  # [T] int32: gate bits that fired
 
-    def apply(self, layer: int, site: str, h: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, layer: int, site: str, h: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """capture → read-outs and monitor → patch → steer at one site; [T, H].
 
         Probes (read-outs, the monitor, gates) read the pristine `h`; steering adds onto the
-        patched residual.
+        patched residual. `add`: the residual add before the site, still to do (the residual
+        is `h + add`); the steer op does it itself when it is all that runs here.
         """
         key = (layer, site)
+        if add is not None and (key not in self.kernel_sites or self._reads_or_patches(key)):
+            h, add = h + add, None
         idx = self.capture_index.get(key)
         if idx is not None:
             self.captured[key] = h.index_select(0, idx)
@@ -102,6 +111,7 @@ class StepInterventions:
                 latched=self.latched,
                 fired=self.fired,
                 base=patched,
+                add=add,
                 **self.tables.site_args(layer, site),
             )
         return h if patched is None else patched

@@ -44,12 +44,18 @@ def steer_reference(
     latched: torch.Tensor,  # [T] int32 latched-gate bitmask of each token's request
     fired: torch.Tensor,  # [T] int32 fired-gate bitmask, OR-ed in place
     base: torch.Tensor | None = None,  # [T, H] what the terms are added to (default: h)
+    add: torch.Tensor | None = None,  # [T, H] a residual add still to do: h + add is the residual
 ) -> torch.Tensor:
     """The steered residual `[T, H]` in h's dtype (computed in float32); ORs into `fired`.
 
     Probes read `h`; the terms are added to `base`, which differs from `h` only where a
     patch replaced rows after the monitor read them (capture → monitor → patch → steer).
+    `add` (never with `base`) folds the residual add before the site into the op: the
+    residual is `h + add`, rounded to h's dtype as PyTorch's add rounds.
     """
+    if add is not None:
+        assert base is None, "a patched base is added to after the residual add"
+        h = h + add
     x = h.float()
     r = rows.long()
     is_decode = decode != 0
@@ -106,11 +112,14 @@ if triton is not None:
         latched_ptr,
         fired_ptr,
         base_ptr,
+        add_ptr,
         stride_h,
         stride_base,
+        stride_add,
         stride_out,
         H: tl.constexpr,  # fixed per model, so specializing on it costs one compile
         BLOCK_H: tl.constexpr,
+        HAS_ADD: tl.constexpr,  # the residual is h + add, rounded to h's dtype
     ):
         # One program per token: pass 1 takes the three dot products with the pristine x,
         # pass 2 writes x plus every steering term.
@@ -127,7 +136,11 @@ if triton is not None:
         for start in range(0, H, BLOCK_H):
             c = start + cols
             m = c < H
-            x = tl.load(h_ptr + t * stride_h + c, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(h_ptr + t * stride_h + c, mask=m, other=0.0)
+            if HAS_ADD:
+                a = tl.load(add_ptr + t * stride_add + c, mask=m, other=0.0)
+                x = (x.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            x = x.to(tl.float32)
             mp = tl.load(mon_probe_ptr + c, mask=m, other=0.0).to(tl.float32)
             gpr = tl.load(gate_probe_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
             gv = tl.load(gate_vec_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
@@ -167,7 +180,11 @@ if triton is not None:
         for start in range(0, H, BLOCK_H):
             c = start + cols
             m = c < H
-            x = tl.load(base_ptr + t * stride_base + c, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(base_ptr + t * stride_base + c, mask=m, other=0.0)
+            if HAS_ADD:
+                a = tl.load(add_ptr + t * stride_add + c, mask=m, other=0.0)
+                x = (x.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            x = x.to(tl.float32)
             v_global = tl.load(vec_ptr + rg * H + c, mask=m, other=0.0).to(tl.float32)
             v_row = tl.load(vec_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
             v_dyn = tl.load(dyn_vec_ptr + c, mask=m, other=0.0).to(tl.float32)
@@ -192,13 +209,16 @@ def steer_triton(
     latched: torch.Tensor,
     fired: torch.Tensor,
     base: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`steer_reference` as one fused Triton launch over the flattened batch."""
     T, H = h.shape
     if T == 0:
-        return h.clone()
+        return h.clone() if add is None else h + add
+    assert add is None or base is None, "a patched base is added to after the residual add"
     base = h if base is None else base
     assert base.shape == h.shape and base.stride(1) == 1
+    assert add is None or (add.shape == h.shape and add.stride(1) == 1)
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
     # The kernel indexes every operand but h with its packed strides.
     packed = [rows, decode, vec, row_scale, dyn_vec, dyn_gain, mon_probe, mon_params]
@@ -222,11 +242,14 @@ def steer_triton(
         latched,
         fired,
         base,
+        h if add is None else add,
         h.stride(0),
         base.stride(0),
+        h.stride(0) if add is None else add.stride(0),
         out.stride(0),
         H=H,
         BLOCK_H=block_h,
+        HAS_ADD=add is not None,
         num_warps=4,
     )
     return out
@@ -248,6 +271,7 @@ def steer(
     latched: torch.Tensor,
     fired: torch.Tensor,
     base: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The steered residual: Triton on CUDA or under TRITON_INTERPRET=1, else the reference."""
     fn = steer_triton if triton is not None and (h.is_cuda or INTERPRET) else steer_reference
@@ -267,4 +291,5 @@ def steer(
         latched,
         fired,
         base,
+        add,
     )

@@ -110,10 +110,11 @@ class DecoderLayer(nn.Module):
         # probes and steers the residual at each site.
         L = self.layer_idx
         if iv is not None and not (iv.touches(L, "pre_attn") or iv.touches(L, "post_attn")):
-            # Only post_block intervenes: the mid-block add is fused into its norm.
+            # Only post_block intervenes: the mid-block add is fused into its norm, and the
+            # last add into the site's op.
             a = self.self_attn(positions, self.input_layernorm(h), meta)
             normed, h = self.post_attention_layernorm(a, h)
-            return iv.apply(L, "post_block", h + self.mlp(normed))  # blocks.L.hook_resid_post
+            return iv.apply(L, "post_block", h, add=self.mlp(normed))  # blocks.L.hook_resid_post
         if iv is not None:
             h = iv.apply(L, "pre_attn", h)  # blocks.L.hook_resid_pre
         h = h + self.self_attn(positions, self.input_layernorm(h), meta)

@@ -134,6 +134,27 @@ def test_triton_matches_reference_with_a_patched_base():
     assert torch.equal(got_fired, want_fired)
 
 
+def test_add_folds_the_residual_add_before_the_site():
+    """`add` is the residual add the model did not do: the op on (h, add) is the op on h + add
+    (probes read it, terms add to it), exactly."""
+    case = random_case(6, 16, seed=5)
+    add = torch.randn(6, 16)
+    want, want_fired = run(steer_reference, {**case, "h": case["h"] + add})
+    got, got_fired = run(steer_reference, {**case, "add": add})
+    assert torch.equal(got, want) and torch.equal(got_fired, want_fired)
+    assert not torch.equal(got, run(steer_reference, case)[0])
+
+
+@interpreted_only
+def test_triton_matches_reference_with_a_residual_add():
+    case = random_case(12, 40, seed=6)
+    case["add"] = torch.randn(12, 40)
+    want, want_fired = run(steer_reference, case)
+    got, got_fired = run(steer_triton, case)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_fired, want_fired)
+
+
 def test_probes_read_h_and_terms_add_to_base():
     case = random_case(6, 16, seed=4)
     shift = torch.randn(6, 16)
