@@ -151,7 +151,7 @@ def test_triton_matches_reference_with_a_residual_add():
     case["add"] = torch.randn(12, 40)
     want, want_fired = run(steer_reference, case)
     got, got_fired = run(steer_triton, case)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # float32, other sum order
     assert torch.equal(got_fired, want_fired)
 
 
