@@ -9,6 +9,8 @@ hang.
 
 from __future__ import annotations
 
+import time
+
 import pydantic
 import pytest
 import torch
@@ -71,7 +73,12 @@ def test_fresh_groups_carry_the_trainers_logprobs_and_stale_ones_are_dropped(
     try:
         trainer.step()
         trainer.step()
-        # Producers filled the queue under the versions published so far; jump ahead.
+        # Producers refill the queue under the versions published so far (on a loaded
+        # machine they may not have yet: wait for one group); then jump ahead.
+        deadline = time.monotonic() + 120
+        while rollout.stream.backlog() < 1:
+            assert time.monotonic() < deadline, "the producers never refilled the stream"
+            time.sleep(0.05)
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for m in trainer.adapters.modules.values():
