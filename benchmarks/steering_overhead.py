@@ -144,12 +144,16 @@ def run_coxswain(
 def decode_rates(
     llm: LLM, prompts: list[list[int]], configs: dict[str, list[SamplingParams]], steps: int,
     repeats: int, device: torch.device,
-) -> dict[str, float]:  # fmt: skip
+) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
     """Steady-state decode tok/s of each config: every request prefilled and a few steps
     warm, then `steps` timed engine steps of the whole batch (no request ends in them);
-    the best of `repeats`, taken round-robin over the configs."""
+    the best of `repeats`, taken round-robin over the configs. Also, on CUDA, the GPU
+    milliseconds of one replay of the graph the config's steps ran (plain or steered),
+    timed back to back by CUDA events on that config's last step batch: the device's cost
+    alone, free of the host's jitter."""
     engine = llm.engine
     best = dict.fromkeys(configs, 0.0)
+    gpu_ms: dict[str, float] = {}
     for _ in range(repeats):
         for name, params in configs.items():
             for i, p in enumerate(prompts):
@@ -165,11 +169,30 @@ def decode_rates(
                 engine.step()
             sync(device)
             best[name] = max(best[name], len(prompts) * steps / (time.perf_counter() - start))
+            ms = replay_ms(engine.runner, len(prompts), steered=name != "coxswain unsteered")
+            if ms is not None:
+                gpu_ms[name] = min(gpu_ms.get(name, ms), ms)
             for rid in list(engine.requests):
                 engine.abort(rid)
             while engine.step():  # the step still in flight
                 pass
-    return best
+    return best, gpu_ms
+
+
+def replay_ms(runner: Any, batch: int, steered: bool, n: int = 50) -> float | None:
+    """GPU ms per replay of the decode graph for `batch` rows (None without graphs)."""
+    graphs = runner.steered_graphs if steered else runner.graphs
+    if not graphs or batch > runner.graph_sizes[-1]:
+        return None
+    graph = graphs[min(b for b in runner.graph_sizes if b >= batch)].graph
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
 
 
 # -- Hugging Face ------------------------------------------------------------------------
@@ -420,15 +443,22 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
 
     if args.decode_steps:
         decode_configs = {name: c for name, c in configs.items() if name != "coxswain capture"}
-        rates = decode_rates(llm, work, decode_configs, args.decode_steps, args.repeats, device)
+        rates, gpu_ms = decode_rates(
+            llm, work, decode_configs, args.decode_steps, args.repeats, device
+        )
         plain_rate = rates["coxswain unsteered"]
         print(
             f"\nsteady-state decode of all {args.num_seqs} requests, {args.decode_steps} steps "
             f"after prefill (best of {args.repeats}):"
         )
-        print(f"{'config':<26}{'tok/s':>10}  of plain")
+        gpu_head = "  GPU ms/replay  of plain" if gpu_ms else ""
+        print(f"{'config':<26}{'tok/s':>10}  of plain{gpu_head}")
         for name, rate in rates.items():
-            print(f"{name:<26}{rate:>10.1f}  {rate / plain_rate:6.1%}")
+            line = f"{name:<26}{rate:>10.1f}  {rate / plain_rate:6.1%}"
+            if name in gpu_ms:  # a time: plain's over this one is the fraction of plain's rate
+                ms, plain_ms = gpu_ms[name], gpu_ms["coxswain unsteered"]
+                line += f"  {ms:13.3f}  {plain_ms / ms:8.1%}"
+            print(line)
         stats = llm.engine.stats()
         print(
             f"graph steps: {stats['num_graph_steps']} (steered {stats['num_steered_graph_steps']}),"
