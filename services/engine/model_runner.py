@@ -346,12 +346,11 @@ class ModelRunner:
         np_["seq_lens"][:r] = seq_lens
         np_["query_start_loc"][: r + 1] = qsl
         np_["logits_rows"][:r] = qsl[1:] - 1
-        if steer is not None:
+        if steer is not None:  # padding rows (below) take the zero row: no steering
             for name in STEER_FIELDS:
                 np_["steer_" + name][:t] = getattr(steer, name)
-        if pad_to > r:  # graph padding rows (decode: one token per row)
-            for name in STEER_FIELDS:  # the zero row: no steering
                 np_["steer_" + name][t:pad_to] = 0
+        if pad_to > r:  # graph padding rows (decode: one token per row)
             np_["input_ids"][t:pad_to] = 0
             np_["positions"][t:pad_to] = 0
             np_["slot_mapping"][t:pad_to] = self.scratch_slot
