@@ -42,6 +42,16 @@ def _run(path, dtype: str, eager: bool, params: SamplingParams, steered: set[int
     return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats()
 
 
+def _assert_same(got: list, want: list) -> None:
+    """Float32 samples of two paths: the same tokens, and logprobs within 1e-4."""
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        for dg, dw in zip(g.logprobs, w.logprobs, strict=True):
+            assert dg.keys() == dw.keys()
+            for t in dg:
+                assert dg[t] == pytest.approx(dw[t], abs=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_graph_replay_equals_eager_float32(tiny_checkpoint, arch):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -49,12 +59,7 @@ def test_graph_replay_equals_eager_float32(tiny_checkpoint, arch):
     graph, gstats = _run(path, "float32", False, params)
     eager, estats = _run(path, "float32", True, params)
     assert gstats["num_graph_steps"] > 10 and estats["num_graph_steps"] == 0
-    for g, e in zip(graph, eager, strict=True):
-        assert g.token_ids == e.token_ids
-        for dg, de in zip(g.logprobs, e.logprobs, strict=True):
-            assert dg.keys() == de.keys()
-            for t in dg:
-                assert dg[t] == pytest.approx(de[t], abs=1e-4)
+    _assert_same(graph, eager)
 
 
 def test_graph_replay_equals_eager_bfloat16(tiny_checkpoint):
@@ -128,14 +133,10 @@ def test_steered_decode_replays_its_graph_and_equals_eager(tiny_checkpoint, arch
     graph, gstats = _run_steered(path, "float32", False, steered)
     eager, estats = _run_steered(path, "float32", True, steered)
     assert gstats["num_steered_graph_steps"] > 10 and estats["num_graph_steps"] == 0
-    for g, e in zip(graph, eager, strict=True):
-        assert g.token_ids == e.token_ids
-        for dg, de in zip(g.logprobs, e.logprobs, strict=True):
-            for t in dg:
-                assert dg[t] == pytest.approx(de[t], abs=1e-4)
+    _assert_same(graph, eager)
     plain, _ = _run_steered(path, "float32", False, set())
-    moved = [i for i in steered if plain[i].logprobs[0] != graph[i].logprobs[0]]
-    assert moved == sorted(steered)  # the steering reached every steered request
+    moved = {i for i in steered if plain[i].logprobs[0] != graph[i].logprobs[0]}
+    assert moved == steered  # the steering reached every steered request
 
 
 def test_an_unsteered_request_beside_steered_ones_gets_what_it_gets_alone(tiny_checkpoint):
@@ -144,8 +145,4 @@ def test_an_unsteered_request_beside_steered_ones_gets_what_it_gets_alone(tiny_c
     path = tiny_checkpoint("llama")
     mixed, _ = _run_steered(path, "float32", False, {0, 2, 3, 5})
     plain, _ = _run_steered(path, "float32", False, set())
-    for i in (1, 4):
-        assert mixed[i].token_ids == plain[i].token_ids
-        for dm, dp in zip(mixed[i].logprobs, plain[i].logprobs, strict=True):
-            for t in dm:
-                assert dm[t] == pytest.approx(dp[t], abs=1e-4)
+    _assert_same([mixed[1], mixed[4]], [plain[1], plain[4]])
