@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.engine.kernels.steer import steer, steer_reference, steer_triton
-from tests.unit.engine.kernels.test_steer import random_case, run
+from tests.unit.engine.kernels.test_steer import random_case, run, run_readback, with_readback
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,6 +38,37 @@ def test_kernel_with_a_residual_add_matches_reference(dtype):
     out, fired = run(steer_triton, case)
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
     assert torch.equal(fired, ref_fired)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_with_readouts_and_a_latch_carry_matches_reference(dtype):
+    """Read-out scores are float32 dot products of the (possibly bf16) residual with float32
+    probes: they differ from the reference by summation order only."""
+    case = with_readback(random_case(300, 1536, R=17, dtype=dtype, device="cuda", seed=6))
+    case = {k: v.cuda() if v is not None else None for k, v in case.items()}
+    ref, ref_fired, ref_scores = run_readback(steer_reference, case)
+    out, fired, scores = run_readback(steer_triton, case)
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+    assert torch.equal(fired, ref_fired)
+    read = case["read_rows"][case["read_rows"] >= 0].long()
+    torch.testing.assert_close(scores[read, :5], ref_scores[read, :5], atol=1e-3, rtol=1e-4)
+    assert scores[:, 5:].isnan().all() and not scores[read, :5].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("H", [1024, 4096])  # 4096: the norm over four H tiles
+def test_kernel_with_the_next_norm_matches_the_norm_kernel(dtype, H):
+    """The fused next norm is the RMSNorm kernel's, bit for bit, on the op's own output: it
+    reduces in the same tile shape and order."""
+    from services.engine.kernels.norm_rope import rms_norm_triton
+
+    case = random_case(128, H, R=17, dtype=dtype, device="cuda", seed=H)
+    case["add"] = torch.randn(128, H, device="cuda").to(dtype)
+    w = (torch.rand(H, device="cuda") + 0.5).to(dtype)
+    out, normed = steer_triton(**case, norm_weight=w, eps=1e-6)
+    # With the norm the op reads H in one tile: its probe sums may round differently.
+    torch.testing.assert_close(out, steer_triton(**case), **TOLERANCE[dtype])
+    torch.testing.assert_close(normed, rms_norm_triton(out, w, 1e-6), rtol=0, atol=0)
 
 
 def test_dispatcher_uses_kernel_on_cuda(monkeypatch):

@@ -10,6 +10,19 @@ graph.
 Shapes: T tokens in the flattened batch, H hidden size, R rows in the steering table.
 `gate_params` columns: active, threshold, sharpness, scale, attenuate, bit, latch.
 `mon_params`: active, threshold, sharpness, gate_rows.
+
+Two optional parts serve read-back without leaving the op (or a CUDA graph):
+- read-out probes: the site's probe bank `[C, H]` (float32) with its live column count;
+  every token whose `read_rows` entry is ≥ 0 writes its dot product with each live column
+  into that row of `scores` (`[S, C]`, row-strided). Tokens at -1 read nothing and cost
+  nothing.
+- the latch carry: a token whose `carry` entry is ≥ 0 also counts as latched the bits in
+  `last_fired[carry]`, the gates its request fired in the step before, which the host has
+  not seen yet when steps overlap.
+
+And one fusion: with `norm_weight`, the op also returns the RMSNorm of its output (the next
+layer's input norm, or the final norm), rounded as `norm_rope.rms_norm` rounds, so a steered
+layer costs the plain one's kernel count.
 """
 
 import os
@@ -45,8 +58,17 @@ def steer_reference(
     fired: torch.Tensor,  # [T] int32 fired-gate bitmask, OR-ed in place
     base: torch.Tensor | None = None,  # [T, H] what the terms are added to (default: h)
     add: torch.Tensor | None = None,  # [T, H] a residual add still to do: h + add is the residual
-) -> torch.Tensor:
-    """The steered residual `[T, H]` in h's dtype (computed in float32); ORs into `fired`.
+    probe_bank: torch.Tensor | None = None,  # [C, H] float32 read-out probes of this site
+    probe_count: torch.Tensor | None = None,  # [1] int32 live columns (a prefix of the bank)
+    read_rows: torch.Tensor | None = None,  # [T] int32 row of `scores` each token fills, or -1
+    scores: torch.Tensor | None = None,  # [S, C] float32, written where read_rows >= 0
+    carry: torch.Tensor | None = None,  # [T] int32 row of `last_fired` also latched, or -1
+    last_fired: torch.Tensor | None = None,  # [N] int32 gate bits fired by the step before
+    norm_weight: torch.Tensor | None = None,  # [H]: also return rms_norm(out) with it
+    eps: float = 0.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The steered residual `[T, H]` in h's dtype (computed in float32); ORs into `fired`,
+    and writes read-out `scores`. With `norm_weight`: (residual, its RMSNorm).
 
     Probes read `h`; the terms are added to `base`, which differs from `h` only where a
     patch replaced rows after the monitor read them (capture → monitor → patch → steer).
@@ -57,6 +79,15 @@ def steer_reference(
         assert base is None, "a patched base is added to after the residual add"
         h = h + add
     x = h.float()
+    if probe_bank is not None:
+        n = int(probe_count[0])
+        reading = (read_rows >= 0).nonzero().flatten()
+        if n and len(reading):
+            got = x[reading] @ probe_bank[:n].float().t()  # [reading, n]
+            scores[read_rows[reading].long(), :n] = got
+    if carry is not None:
+        prev = last_fired[carry.long().clamp(min=0)]
+        latched = torch.where(carry >= 0, latched | prev, latched)
     r = rows.long()
     is_decode = decode != 0
     d = decode.float()
@@ -88,8 +119,12 @@ def steer_reference(
         + row_coef[:, None] * vec.float()[r]
         + (dyn_gain.float() * gm_d)[:, None] * dyn_vec.float()
         + g_coef[:, None] * gv
-    )
-    return out.to(h.dtype)
+    ).to(h.dtype)
+    if norm_weight is None:
+        return out
+    o32 = out.float()
+    normed = (o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)).to(out.dtype)
+    return out, (norm_weight * normed).to(out.dtype)
 
 
 if triton is not None:
@@ -113,13 +148,26 @@ if triton is not None:
         fired_ptr,
         base_ptr,
         add_ptr,
+        bank_ptr,
+        count_ptr,
+        read_rows_ptr,
+        scores_ptr,
+        carry_ptr,
+        last_fired_ptr,
+        norm_w_ptr,
+        normed_ptr,
+        eps,
         stride_h,
         stride_base,
         stride_add,
         stride_out,
+        stride_scores,
         H: tl.constexpr,  # fixed per model, so specializing on it costs one compile
         BLOCK_H: tl.constexpr,
         HAS_ADD: tl.constexpr,  # the residual is h + add, rounded to h's dtype
+        BLOCK_C: tl.constexpr,  # read-out columns (a power of two); 0: no probe bank
+        HAS_CARRY: tl.constexpr,
+        HAS_NORM: tl.constexpr,  # also write rms_norm(out) * norm_w (row stride H)
     ):
         # One program per token: pass 1 takes the three dot products with the pristine x,
         # pass 2 writes x plus every steering term.
@@ -129,6 +177,32 @@ if triton is not None:
         is_decode = d != 0
         rg = 1 + is_decode.to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
+
+        if BLOCK_C > 0:
+            # Read-outs, behind a branch: a token that reads nothing pays one load.
+            read_row = tl.load(read_rows_ptr + t)
+            if read_row >= 0:
+                ccols = tl.arange(0, BLOCK_C)
+                live = ccols < tl.load(count_ptr)  # past the live count: masked, never loaded
+                read_acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+                for start in range(0, H, BLOCK_H):
+                    c = start + cols
+                    m = c < H
+                    x = tl.load(h_ptr + t * stride_h + c, mask=m, other=0.0)
+                    if HAS_ADD:
+                        a = tl.load(add_ptr + t * stride_add + c, mask=m, other=0.0)
+                        x = (x.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+                    bank = tl.load(
+                        bank_ptr + ccols[:, None] * H + c[None, :],
+                        mask=live[:, None] & m[None, :],
+                        other=0.0,
+                    )
+                    read_acc += bank * x.to(tl.float32)[None, :]
+                tl.store(
+                    scores_ptr + read_row.to(tl.int64) * stride_scores + ccols,
+                    tl.sum(read_acc, axis=1),
+                    mask=live,
+                )
 
         mon_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         probe_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -167,7 +241,12 @@ if triton is not None:
         bit = tl.load(gp + 5).to(tl.int32)
         g_latch = tl.load(gp + 6)
         p = tl.sigmoid(g_sharp * (probe_dot - g_thr))
-        latched_on = (g_latch != 0) & (((tl.load(latched_ptr + t) >> bit) & 1) != 0)
+        lat = tl.load(latched_ptr + t)
+        if HAS_CARRY:
+            src = tl.load(carry_ptr + t)
+            prev = tl.load(last_fired_ptr + tl.maximum(src, 0))  # row 0 always exists
+            lat = lat | tl.where(src >= 0, prev, 0)
+        latched_on = (g_latch != 0) & (((lat >> bit) & 1) != 0)
         g = g_active * d * tl.where(latched_on, 1.0, p)
         fire = (g_active != 0) & is_decode & (p > 0.5)
         fired = tl.load(fired_ptr + t)
@@ -177,6 +256,7 @@ if triton is not None:
         global_coef = tl.load(row_scale_ptr + rg)
         row_coef = tl.load(row_scale_ptr + r) * tl.where(gate_rows != 0, gm_d, 1.0)
         dyn_coef = tl.load(dyn_gain_ptr + t) * gm_d
+        sq_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(0, H, BLOCK_H):
             c = start + cols
             m = c < H
@@ -190,7 +270,22 @@ if triton is not None:
             v_dyn = tl.load(dyn_vec_ptr + c, mask=m, other=0.0).to(tl.float32)
             gv = tl.load(gate_vec_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
             y = x + global_coef * v_global + row_coef * v_row + dyn_coef * v_dyn + g_coef * gv
-            tl.store(out_ptr + t * stride_out + c, y.to(out_ptr.dtype.element_ty), mask=m)
+            y = y.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + t * stride_out + c, y, mask=m)
+            if HAS_NORM:  # the norm reads the output as rounded
+                y32 = tl.where(m, y.to(tl.float32), 0.0)
+                sq_acc += y32 * y32
+        if HAS_NORM:
+            # Pass 3: each thread reads back what it stored (same layout), now scaled.
+            rstd = tl.rsqrt(tl.sum(sq_acc, axis=0) / H + eps)
+            for start in range(0, H, BLOCK_H):
+                c = start + cols
+                m = c < H
+                y = tl.load(out_ptr + t * stride_out + c, mask=m, other=0.0)
+                normed = (y.to(tl.float32) * rstd).to(out_ptr.dtype.element_ty)
+                w = tl.load(norm_w_ptr + c, mask=m, other=0.0)
+                z = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+                tl.store(normed_ptr + t * H + c, z, mask=m)
 
 
 def steer_triton(
@@ -210,21 +305,48 @@ def steer_triton(
     fired: torch.Tensor,
     base: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
-) -> torch.Tensor:
+    probe_bank: torch.Tensor | None = None,
+    probe_count: torch.Tensor | None = None,
+    read_rows: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    carry: torch.Tensor | None = None,
+    last_fired: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`steer_reference` as one fused Triton launch over the flattened batch."""
     T, H = h.shape
     if T == 0:
-        return h.clone() if add is None else h + add
+        out = h.clone() if add is None else h + add
+        return out if norm_weight is None else (out, out.clone())
+    block_c = 0
+    if probe_bank is not None:
+        assert probe_bank.dtype == torch.float32 and probe_bank.is_contiguous()
+        assert probe_bank.shape[1] == H and scores.stride(1) == 1
+        assert read_rows.is_contiguous() and probe_count.is_contiguous()
+        block_c = triton.next_power_of_2(probe_bank.shape[0])
+        assert block_c == probe_bank.shape[0], "the probe bank's width must be a power of two"
+    if carry is not None:
+        assert carry.is_contiguous() and last_fired.is_contiguous()
     assert add is None or base is None, "a patched base is added to after the residual add"
     base = h if base is None else base
     assert base.shape == h.shape and base.stride(1) == 1
     assert add is None or (add.shape == h.shape and add.stride(1) == 1)
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
+    normed = torch.empty_like(out) if norm_weight is not None else None
+    assert norm_weight is None or (norm_weight.shape == (H,) and norm_weight.is_contiguous())
     # The kernel indexes every operand but h with its packed strides.
     packed = [rows, decode, vec, row_scale, dyn_vec, dyn_gain, mon_probe, mon_params]
     packed += [gate_probe, gate_vec, gate_params, latched, fired]
     assert h.stride(1) == 1 and all(a.is_contiguous() for a in packed)
     block_h = min(triton.next_power_of_2(H), MAX_BLOCK_H)
+    num_warps = 4
+    if norm_weight is not None:
+        # The next norm reduces over one tile with the RMSNorm kernel's shape and warps
+        # (`norm_rope.rms_norm_triton`), so it sums in the same order: an unsteered row's
+        # norm is bit-identical to the plain path's.
+        block_h = triton.next_power_of_2(H)
+        num_warps = 4 if H <= 2048 else 8
     _steer_kernel[(T,)](
         h,
         out,
@@ -243,16 +365,29 @@ def steer_triton(
         fired,
         base,
         h if add is None else add,
+        probe_bank if probe_bank is not None else h,  # unread when BLOCK_C == 0
+        probe_count if probe_count is not None else rows,
+        read_rows if read_rows is not None else rows,
+        scores if scores is not None else h,
+        carry if carry is not None else rows,  # unread without HAS_CARRY
+        last_fired if last_fired is not None else rows,
+        norm_weight if norm_weight is not None else h,  # unread without HAS_NORM
+        normed if normed is not None else h,
+        eps,
         h.stride(0),
         base.stride(0),
         h.stride(0) if add is None else add.stride(0),
         out.stride(0),
+        scores.stride(0) if scores is not None else 0,
         H=H,
         BLOCK_H=block_h,
         HAS_ADD=add is not None,
-        num_warps=4,
+        BLOCK_C=block_c,
+        HAS_CARRY=carry is not None,
+        HAS_NORM=norm_weight is not None,
+        num_warps=num_warps,
     )
-    return out
+    return out if normed is None else (out, normed)
 
 
 def steer(
@@ -272,8 +407,17 @@ def steer(
     fired: torch.Tensor,
     base: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The steered residual: Triton on CUDA or under TRITON_INTERPRET=1, else the reference."""
+    probe_bank: torch.Tensor | None = None,
+    probe_count: torch.Tensor | None = None,
+    read_rows: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+    carry: torch.Tensor | None = None,
+    last_fired: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The steered residual (and with `norm_weight` its RMSNorm): Triton on CUDA or under
+    TRITON_INTERPRET=1, else the reference."""
     fn = steer_triton if triton is not None and (h.is_cuda or INTERPRET) else steer_reference
     return fn(
         h,
@@ -292,4 +436,12 @@ def steer(
         fired,
         base,
         add,
+        probe_bank,
+        probe_count,
+        read_rows,
+        scores,
+        carry,
+        last_fired,
+        norm_weight,
+        eps,
     )

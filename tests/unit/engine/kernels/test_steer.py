@@ -95,7 +95,7 @@ def random_case(T: int, H: int, R: int = 9, dtype=torch.float32, device="cpu", s
 
 def run(fn, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """`fn` on a copy of `case`: the output and the updated `fired`."""
-    case = {k: v.clone() for k, v in case.items()}
+    case = {k: v if v is None else v.clone() for k, v in case.items()}
     return fn(**case), case["fired"]
 
 
@@ -153,6 +153,98 @@ def test_triton_matches_reference_with_a_residual_add():
     got, got_fired = run(steer_triton, case)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # float32, other sum order
     assert torch.equal(got_fired, want_fired)
+
+
+def with_readback(case: dict, C: int = 8, live: int = 5, seed: int = 7) -> dict:
+    """`case` plus a probe bank of `C` columns (`live` in use) read by every other token into
+    its own scores row, and a latch carry from the step before on every third token."""
+    g = torch.Generator().manual_seed(seed)
+    T, H = case["h"].shape
+    bank = torch.zeros(C, H)
+    bank[:live] = torch.randn(live, H, generator=g)
+    read_rows = torch.full((T,), -1, dtype=torch.int32)
+    read_rows[::2] = torch.randperm(T, generator=g)[: len(read_rows[::2])].to(torch.int32)
+    carry = torch.full((T,), -1, dtype=torch.int32)
+    carry[::3] = torch.randint(0, 4, (len(carry[::3]),), generator=g, dtype=torch.int32)
+    return {
+        **case,
+        "probe_bank": bank.to(case["h"].device),
+        "probe_count": torch.tensor([live], dtype=torch.int32),
+        "read_rows": read_rows,
+        # poisoned: every entry a token reads must be written
+        "scores": torch.full((T, C), float("nan")),
+        "carry": carry,
+        "last_fired": torch.randint(0, 2**31 - 1, (4,), generator=g, dtype=torch.int32),
+    }
+
+
+def run_readback(fn, case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    case = {k: v if v is None else v.clone() for k, v in case.items()}
+    return fn(**case), case["fired"], case["scores"]
+
+
+def test_readouts_are_dot_products_of_the_pristine_residual():
+    case = with_readback(random_case(10, 16, seed=8))
+    x = case["h"].float()
+    _, _, scores = run_readback(steer_reference, case)
+    reading = case["read_rows"] >= 0
+    want = x[reading] @ case["probe_bank"][:5].t()
+    got = scores[case["read_rows"][reading].long(), :5]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert scores[:, 5:].isnan().all(), "columns past the live count are never written"
+
+
+def test_carry_latches_the_bits_the_step_before_fired():
+    """A token that carries row j of `last_fired` is gated exactly as if those bits were in
+    its own `latched`."""
+    case = with_readback(random_case(12, 16, seed=9))
+    case["latched"].zero_()  # so only the carried bits latch
+    case["decode"].fill_(1.0)  # gates act on decode tokens
+    case["carry"][::2] = torch.arange(6, dtype=torch.int32) % 4
+    carry, last = case["carry"], case["last_fired"]
+    carried = case["latched"] | last[carry.clamp(min=0).long()]
+    folded = torch.where(carry >= 0, carried, case["latched"])
+    want, want_fired = run(steer_reference, {**case, "carry": None, "latched": folded})
+    got, got_fired, _ = run_readback(steer_reference, case)
+    assert torch.equal(got, want) and torch.equal(got_fired, want_fired)
+    assert not torch.equal(got, run(steer_reference, {**case, "carry": None})[0])
+
+
+@interpreted_only
+def test_triton_matches_reference_with_readouts_and_carry():
+    case = with_readback(random_case(12, 40, seed=10))
+    want, want_fired, want_scores = run_readback(steer_reference, case)
+    got, got_fired, got_scores = run_readback(steer_triton, case)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_fired, want_fired)
+    read = case["read_rows"][case["read_rows"] >= 0].long()
+    torch.testing.assert_close(got_scores[read, :5], want_scores[read, :5], atol=1e-4, rtol=1e-4)
+    assert got_scores[:, 5:].isnan().all() and not got_scores[read, :5].isnan().any()
+
+
+def test_norm_is_the_rms_norm_of_the_output():
+    """With `norm_weight` the op also returns the next norm of its output, exactly as the
+    norm would compute it from the output."""
+    from services.engine.kernels.norm_rope import rms_norm_reference
+
+    case = random_case(6, 16, seed=11)
+    case["add"] = torch.randn(6, 16)
+    w = torch.rand(16) + 0.5
+    out, normed = steer_reference(**case, norm_weight=w, eps=1e-6)
+    assert torch.equal(out, steer_reference(**case))
+    assert torch.equal(normed, rms_norm_reference(out, w, 1e-6))
+
+
+@interpreted_only
+@pytest.mark.parametrize("H", [48, 1500])  # 1500: the norm over two H tiles
+def test_triton_matches_reference_with_the_next_norm(H):
+    case = random_case(10, H, seed=12)
+    case["add"] = torch.randn(10, H)
+    w = torch.rand(H) + 0.5
+    want_out, want_normed = steer_reference(**case, norm_weight=w, eps=1e-6)
+    got_out, got_normed = steer_triton(**case, norm_weight=w, eps=1e-6)
+    torch.testing.assert_close(got_out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_normed, want_normed, atol=1e-4, rtol=1e-4)
 
 
 def test_probes_read_h_and_terms_add_to_base():
