@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ from generated_model import add_model_arguments, checkpoint_dir, resolve_device
 from throughput import DTYPES, hf_generate, load_hf, sync
 
 from services.engine import LLM, SamplingParams
+from services.engine.interventions.actions import SteeringMonitorUpdate
 from services.engine.model.config import load_model_config
 
 CAPTURE = {"sites": {"post_block": "all"}, "positions": "last_prompt"}
@@ -141,21 +143,66 @@ def run_coxswain(
     return RunResult(name, sum(map(len, outputs)), seconds, outputs, captures)
 
 
+def read_back_configs(
+    vectors: torch.Tensor, layers: list[int], num_layers: int, scale: float, n: int
+) -> dict[str, tuple[list[SamplingParams], list[Any], list[Any]]]:
+    """The decode configs whose results come back from the device, as (per-request params,
+    engine actions before, actions after):
+    - "monitor+gate": each request steered (8 configs, at `layers`) with its rows gated by
+      a monitor at each of those sites, plus a `rest_of_request` gate of its own;
+    - "readouts x4": each request reads 4 probes, spread over the layers, on every token."""
+    H = vectors.shape[1]
+    probes = steering_vectors(5, H, 777)  # unit vectors
+    gated = []
+    for i, v in enumerate(vectors[:8]):
+        vector = {"site": "post_block", "layers": layers, "vector": v.tolist(), "scale": scale}
+        gate = {
+            "when": {"probe": probes[4].tolist(), "layer": layers[len(layers) // 2],
+                     "threshold": 0.0, "sharpness": 4.0},
+            "scope": "rest_of_request",
+            "apply": {"add": {"vector": (scale * vectors[(i + 1) % len(vectors)]).tolist()}},
+        }  # fmt: skip
+        gated.append(greedy(n, steering={"vectors": [vector], "gates": [gate]}))
+    monitors = [
+        SteeringMonitorUpdate("post_block", layer, probes[3].tolist(), 0.0, 1.0, gate_rows=True)
+        for layer in layers
+    ]
+    cleared = [SteeringMonitorUpdate("post_block", layer, None) for layer in layers]
+    at = sorted({num_layers // 4, num_layers // 2, 3 * num_layers // 4, num_layers - 1})
+    reads = [
+        {"probe": probes[j].tolist(), "layer": layer, "name": f"probe{j}"}
+        for j, layer in enumerate(at)
+    ]
+    return {
+        "monitor+gate": (gated, monitors, cleared),
+        f"readouts x{len(reads)}": ([greedy(n, readouts=reads)], [], []),
+    }
+
+
 def decode_rates(
     llm: LLM, prompts: list[list[int]], configs: dict[str, list[SamplingParams]], steps: int,
     repeats: int, device: torch.device,
-) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+    actions: dict[str, tuple[list[Any], list[Any]]] | None = None,
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:  # fmt: skip
     """Steady-state decode tok/s of each config: every request prefilled and a few steps
-    warm, then `steps` timed engine steps of the whole batch (no request ends in them);
-    the best of `repeats`, taken round-robin over the configs. Also, on CUDA, the GPU
+    warm, then `steps` timed engine steps of the whole batch (no request ends in them),
+    `repeats` times, round-robin over the configs. Two rates: the batch over the median
+    step time of all those steps (a host hiccup moves a median little), and the best
+    pass's (which a hiccup in every pass drags down). Also, on CUDA, the GPU
     milliseconds of one replay of the graph the config's steps ran (plain or steered),
     timed back to back by CUDA events on that config's last step batch: the device's cost
-    alone, free of the host's jitter."""
+    alone, free of the host's jitter. `actions`: engine actions submitted before a config
+    runs and after it (monitors)."""
     engine = llm.engine
     best = dict.fromkeys(configs, 0.0)
+    step_s: dict[str, list[float]] = {name: [] for name in configs}
     gpu_ms: dict[str, float] = {}
+    actions = actions or {}
     for _ in range(repeats):
         for name, params in configs.items():
+            before, after = actions.get(name, ([], []))
+            for action in before:
+                engine.submit_action(action)
             for i, p in enumerate(prompts):
                 cfg = params[i % len(params)]
                 engine.add_request(f"decode-{i}", p, replace(cfg, max_tokens=steps + 16))
@@ -164,9 +211,12 @@ def decode_rates(
             for _ in range(4):
                 engine.step()
             sync(device)
-            start = time.perf_counter()
+            start = last = time.perf_counter()
             for _ in range(steps):
                 engine.step()
+                now = time.perf_counter()
+                step_s[name].append(now - last)
+                last = now
             sync(device)
             best[name] = max(best[name], len(prompts) * steps / (time.perf_counter() - start))
             ms = replay_ms(engine.runner, len(prompts), steered=name != "coxswain unsteered")
@@ -176,7 +226,10 @@ def decode_rates(
                 engine.abort(rid)
             while engine.step():  # the step still in flight
                 pass
-    return best, gpu_ms
+            for action in after:
+                engine.submit_action(action)
+    median = {name: len(prompts) / statistics.median(ts) for name, ts in step_s.items()}
+    return median, best, gpu_ms
 
 
 def replay_ms(runner: Any, batch: int, steered: bool, n: int = 50) -> float | None:
@@ -443,18 +496,25 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
 
     if args.decode_steps:
         decode_configs = {name: c for name, c in configs.items() if name != "coxswain capture"}
-        rates, gpu_ms = decode_rates(
-            llm, work, decode_configs, args.decode_steps, args.repeats, device
+        extra = read_back_configs(vectors, layers, L, args.scale, n_out)
+        decode_configs |= {name: params for name, (params, _, _) in extra.items()}
+        actions = {name: (before, after) for name, (_, before, after) in extra.items()}
+        rates, best, gpu_ms = decode_rates(
+            llm, work, decode_configs, args.decode_steps, args.repeats, device, actions
         )
-        plain_rate = rates["coxswain unsteered"]
+        plain_rate, plain_best = rates["coxswain unsteered"], best["coxswain unsteered"]
         print(
             f"\nsteady-state decode of all {args.num_seqs} requests, {args.decode_steps} steps "
-            f"after prefill (best of {args.repeats}):"
+            f"after prefill, {args.repeats} passes per config (tok/s: batch / median step time;"
+            " best pass: its tok/s):"
         )
         gpu_head = "  GPU ms/replay  of plain" if gpu_ms else ""
-        print(f"{'config':<26}{'tok/s':>10}  of plain{gpu_head}")
+        print(f"{'config':<26}{'tok/s':>10}  of plain  best pass  of plain{gpu_head}")
         for name, rate in rates.items():
-            line = f"{name:<26}{rate:>10.1f}  {rate / plain_rate:6.1%}"
+            line = (
+                f"{name:<26}{rate:>10.1f}  {rate / plain_rate:6.1%}  {best[name]:9.1f}  "
+                f"{best[name] / plain_best:6.1%}"
+            )
             if name in gpu_ms:  # a time: plain's over this one is the fraction of plain's rate
                 ms, plain_ms = gpu_ms[name], gpu_ms["coxswain unsteered"]
                 line += f"  {ms:13.3f}  {plain_ms / ms:8.1%}"

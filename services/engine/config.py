@@ -36,6 +36,9 @@ class EngineConfig:
     steering_request_rows: int = 256
     steering_dynamic_rows: int = 32
     action_queue_size: int = 1024
+    # Read-out probes (`readouts`, `abort_when`): distinct probes the bank of each (layer,
+    # site) holds at once, a power of two; a request waits while a bank it reads is full.
+    readout_probes_per_site: int = 8
     # Low-rank adapters in the SVD basis of target Linears (services/engine/adapters.py):
     # how many may be loaded at once (0: none, and no adapted Linear is built), their rank,
     # and the module-name patterns they adapt.
@@ -47,9 +50,10 @@ class EngineConfig:
     # `attention_backend`: "auto" (Triton on CUDA, SDPA on CPU), "triton" or "sdpa".
     enforce_eager: bool = False
     attention_backend: str = "auto"
-    # Sites (of every layer) where steered decode steps replay a CUDA graph too: a second
-    # graph per bucket runs the fused steer op there, with every switch read from the
-    # steering tables. Steps that steer elsewhere, capture, read out or patch run eagerly.
+    # Sites (of every layer) where intervened decode steps replay a CUDA graph too: a second
+    # graph per bucket runs the fused op there (steering, monitors, gates, read-outs), with
+    # every switch read from the tables and the step batch. Steps that steer or read out
+    # elsewhere, capture, patch or feed a consumer run eagerly.
     graph_steering_sites: tuple[str, ...] = ("post_block",)
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).
@@ -66,6 +70,9 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        p = self.readout_probes_per_site
+        if p < 1 or p & (p - 1):
+            raise InvalidRequestError(f"readout_probes_per_site must be a power of two, got {p}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         unknown = set(self.graph_steering_sites) - set(SITES)

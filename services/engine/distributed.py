@@ -156,7 +156,9 @@ class StepSync:
             part["result"] = result
         if plan is not None and ctx.tp_rank == 0 and ctx.pp_size > 1:
             part["captured"] = {k: v.cpu() for k, v in plan.captured.items()}
-            part["scores"] = {k: v.cpu() for k, v in plan.scores.items()}
+            layers = engine.interventions.local_layers
+            part["layers"] = (layers.start, layers.stop)  # whose scores it computed
+            part["scores"] = plan.scores
             part["fired"] = plan.fired.cpu()
         parts: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(parts, part, group=self.group)
@@ -172,8 +174,9 @@ class StepSync:
                     continue
                 for key, rows in p["captured"].items():
                     plan.captured.setdefault(key, rows)
-                for key, scores in p["scores"].items():
-                    plan.scores.setdefault(key, scores)
+                if p["scores"] is not None:
+                    lo, hi = p["layers"]
+                    plan.scores[:, lo:hi] = p["scores"][:, lo:hi]
                 plan.fired = plan.fired | p["fired"].to(plan.fired.device)
         return parts[self.result_rank]["result"]
 

@@ -30,6 +30,7 @@ from services.engine.distributed import StepSync
 from services.engine.interventions.actions import Action, GlobalSteeringUpdate
 from services.engine.interventions.consumers import SyncConsumer
 from services.engine.interventions.manager import InterventionManager
+from services.engine.interventions.planner import Readback
 from services.engine.interventions.vectors import VectorRegistry
 from services.engine.kv.block_manager import BlockManager
 from services.engine.model.config import load_model_config
@@ -112,7 +113,15 @@ class LLMEngine:
             self.dtype,
             per_request_rows=cfg.steering_request_rows,
             dynamic_rows=cfg.steering_dynamic_rows,
+            probe_columns=cfg.readout_probes_per_site,
             action_queue_size=cfg.action_queue_size,
+        )
+        self.runner.readback = Readback(
+            self.runner.max_num_batched_tokens,
+            cfg.max_num_seqs,
+            self.model_config.num_layers,
+            cfg.readout_probes_per_site,
+            self.device,
         )
         if not cfg.enforce_eager and self.runner.can_use_graphs():
             steer_sites = frozenset(
@@ -356,12 +365,12 @@ class LLMEngine:
             if self.adapters is not None:
                 self.adapters.end_step()
         self.num_steps += 1
-        if overlap:  # nothing of this step is read back but its tokens (see _can_overlap)
+        if overlap:  # the next plan needs nothing this step reads back (see _can_overlap)
             self.scheduler.advance(sched)
             self._hold_places(sched)
-            previous, self._in_flight = self._in_flight, (sched, pending)
+            previous, self._in_flight = self._in_flight, (sched, pending, plan)
             if previous is not None:
-                outputs += self._accept(previous[0], previous[1].result(), None)
+                outputs += self._finish(*previous)
             return outputs
         result = pending.result()
         if self.sync is not None:
@@ -371,9 +380,9 @@ class LLMEngine:
         return outputs + self._accept(sched, result, report)
 
     def _can_overlap(self) -> bool:
-        """Overlap needs a one-process replica where no step's results but its tokens are
-        read on the host before the next step is planned: steering may run, but not
-        captures, read-outs, patches, gates or consumers, and no adapter may be loaded."""
+        """Overlap needs a one-process replica where the next step's plan needs nothing the
+        step before reads back: steering, monitors, gates and read-outs may run, but not
+        captures, patches or consumers, and no adapter may be loaded."""
         return (
             self.config.async_scheduling
             and self.sync is None
@@ -385,8 +394,14 @@ class LLMEngine:
         """Accept the tokens of the step in flight, if any."""
         if self._in_flight is None:
             return []
-        (sched, pending), self._in_flight = self._in_flight, None
-        return self._accept(sched, pending.result(), None)
+        in_flight, self._in_flight = self._in_flight, None
+        return self._finish(*in_flight)
+
+    def _finish(self, sched: Any, pending: Any, plan: Any) -> list[RequestDelta]:
+        """Accept an overlapped step: its tokens, and what its interventions read back."""
+        result = pending.result()
+        report = self.interventions.after_forward(sched, plan) if plan is not None else None
+        return self._accept(sched, result, report)
 
     def _hold_places(self, sched: Any) -> None:
         """Give each sampling sequence of a launched step a placeholder for its new token, so

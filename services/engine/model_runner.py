@@ -9,7 +9,9 @@ The hot path, as in nano-vllm's and vLLM v1's runners:
   copied to persistent device buffers in one transfer;
 - decode steps (one token per request) replay a CUDA graph captured at start for the
   smallest batch-size bucket that fits, padded with rows that read and write nothing;
-- prefill and mixed steps, and steps that carry interventions, run eagerly.
+- steps whose interventions the fused op does all of (steering, monitors, gates, read-outs,
+  at the sites the graphs were captured with) replay a second, intervened graph per bucket;
+- prefill and mixed steps, and steps that capture, patch or feed a consumer, run eagerly.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from services.engine.attention import (
     StepAttentionInputs,
     TritonBackend,
 )
-from services.engine.interventions.planner import SteerTokens, StepInterventions
+from services.engine.interventions.planner import (
+    STEER_PAD,
+    Readback,
+    SteerTokens,
+    StepInterventions,
+)
 from services.engine.interventions.resolve import SiteKey
 from services.engine.interventions.tables import SteeringTables
 from services.engine.model.config import ModelConfig
@@ -86,21 +93,27 @@ class PendingStep:
     """A launched step: its sampled tokens are computed (or being computed) on the device
     and copied to a pinned host buffer behind them; `result()` waits for that copy only."""
 
-    def __init__(self, num_seqs: int, sample_rows: list[int]):
-        self.num_seqs = num_seqs
+    def __init__(self, num_seqs: int, sample_rows: list[int], num_tokens: int = 0):
+        self.num_seqs, self.num_tokens = num_seqs, num_tokens
         self.sample_rows = sample_rows  # index in the step's requests of each sampled row
         self.sampled: SampledBatch | None = None
         self.host: torch.Tensor | None = None  # pinned copy of sampled.packed()
         self.copied: torch.cuda.Event | None = None
         self.prompt_logprobs: list[tuple[int, list[dict[int, float]]] | None] = [None] * num_seqs
+        # The step's interventions and the host copies of what the fused op wrote for them.
+        self.interventions: StepInterventions | None = None
+        self.readback: dict[str, torch.Tensor] = {}
 
     def result(self) -> StepResult:
         n = self.num_seqs
         result = StepResult([None] * n, [None] * n, self.prompt_logprobs)
-        if self.sampled is None:
-            return result
         if self.copied is not None:
             self.copied.synchronize()
+        if self.interventions is not None:
+            self.interventions.collect(self.readback, self.num_tokens)
+            self.interventions = None  # collected once
+        if self.sampled is None:
+            return result
         assert self.host is not None
         out = self.sampled.unpack(self.host.tolist())
         for j, i in enumerate(self.sample_rows):
@@ -116,7 +129,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
-STEER_FIELDS = ("rows", "latched", "decode", "gain")  # SteerTokens, as StepBatch `steer_*`
+# SteerTokens, as StepBatch `steer_*` fields (and StepInterventions.bind's order)
+STEER_FIELDS = ("rows", "latched", "decode", "gain", "read_rows", "carry")
 
 
 class StepBatch:
@@ -142,6 +156,8 @@ class StepBatch:
         ("steer_latched", torch.int32, (1, 0)),
         ("steer_decode", torch.float32, (1, 0)),
         ("steer_gain", torch.float32, (1, 0)),
+        ("steer_read_rows", torch.int32, (1, 0)),
+        ("steer_carry", torch.int32, (1, 0)),  # row of Readback.last_fired to latch, or -1
         ("logits_rows", torch.int64, (0, 1)),
         ("query_start_loc", torch.int32, (0, 1)),  # plus one
         ("seq_lens", torch.int32, (0, 1)),
@@ -202,7 +218,7 @@ class StepBatch:
 
     def steer_views(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
         """The device `steer_*` fields of a step's first tokens, in `StepInterventions.bind`
-        order (rows, latched, decode, gain)."""
+        order (STEER_FIELDS)."""
         return tuple(self.dev["steer_" + k][:num_tokens] for k in STEER_FIELDS)
 
     def attention_inputs(
@@ -273,7 +289,7 @@ class ModelRunner:
         self.steered_graphs: dict[int, _Graph] = {}  # bucket -> the steer op at graph sites
         self.graph_sizes: list[int] = []
         self.graph_steer_sites: frozenset[SiteKey] = frozenset()
-        self._graph_fired = torch.zeros(0, dtype=torch.int32)  # [max bucket], gate bits
+        self.readback: Readback | None = None  # set by the engine with the steering tables
         self.num_graph_steps = 0  # steps that replayed a CUDA graph
         self.num_steered_graph_steps = 0  # ... of them, a steered one
         self.num_eager_steps = 0
@@ -329,9 +345,9 @@ class ModelRunner:
         ids = np_["input_ids"][:t]
         ids[:] = [tok for q in reqs for tok in q.token_ids]
         fills = bool((ids == PLACEHOLDER).any())
+        marks = np_["prev_rows"][:t]
         if fills:  # each placeholder's row in the previous step's sampled tokens
             prev_rows = self._prev_sampled[1] if self._prev_sampled else {}
-            marks = np_["prev_rows"][:t]
             marks[:] = -1
             for i, q in enumerate(reqs):
                 for j, tok in enumerate(q.token_ids):
@@ -346,10 +362,14 @@ class ModelRunner:
         np_["seq_lens"][:r] = seq_lens
         np_["query_start_loc"][: r + 1] = qsl
         np_["logits_rows"][:r] = qsl[1:] - 1
-        if steer is not None:  # padding rows (below) take the zero row: no steering
-            for name in STEER_FIELDS:
+        if steer is not None:  # padding rows (below): no steering, read-out or carry
+            for name in STEER_FIELDS[:-1]:
                 np_["steer_" + name][:t] = getattr(steer, name)
-                np_["steer_" + name][t:pad_to] = 0
+            # The latch carry reads the row the placeholder's token was sampled in.
+            carry = np_["steer_carry"][:t]
+            carry[:] = np.where(steer.carry & (marks >= 0), marks, -1) if fills else -1
+            for name in STEER_FIELDS:
+                np_["steer_" + name][t:pad_to] = STEER_PAD[name]
         if pad_to > r:  # graph padding rows (decode: one token per row)
             np_["input_ids"][t:pad_to] = 0
             np_["positions"][t:pad_to] = 0
@@ -382,8 +402,7 @@ class ModelRunner:
         sb = self.batch
         self._build([], pad_to=sizes[-1])  # every row padding: reads nothing, writes scratch
         steered = steering is not None and bool(steer_sites)
-        if steered:
-            self._graph_fired = torch.zeros(sizes[-1], dtype=torch.int32, device=self.device)
+        assert not steered or self.readback is not None, "the readback goes with the tables"
         pool = None
         for size in reversed(sizes):
             inputs = sb.attention_inputs(size, size, self.block_size, list(range(size + 1)), [0])
@@ -393,8 +412,7 @@ class ModelRunner:
             iv = None
             if steered:
                 iv = StepInterventions(steering, set(steer_sites), None)
-                iv.bind(*sb.steer_views(size))
-                iv.fired = self._graph_fired[:size]
+                iv.bind(self.readback, *sb.steer_views(size))
             for kind, interventions in (("plain", None), ("steered", iv)):
                 if kind == "steered" and interventions is None:
                     continue
@@ -421,8 +439,11 @@ class ModelRunner:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         def run() -> torch.Tensor:
             if iv is not None:
-                iv.fired.zero_()  # the gates OR their bits in
+                iv.reset_fired()  # the gates OR their bits in
             hidden = self.model(pos, meta, input_ids=ids, interventions=iv)
+            if iv is not None:  # decode: each row is its sequence's sampled row
+                n = len(ids)
+                self.readback.last_fired[:n].copy_(self.readback.fired[:n])
             return self.model.compute_logits(hidden).float()
 
         run()  # compiles kernels and settles allocations outside the capture
@@ -442,12 +463,14 @@ class ModelRunner:
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
 
     def _steered_graph_serves(self, iv: StepInterventions) -> bool:
-        """Whether the steered graphs run everything `iv` does: the steer op only, at sites
-        they were captured with (captures, read-outs, patches and views run eagerly)."""
+        """Whether the intervened graphs run everything `iv` does: the fused op only (with
+        its read-outs and gates), at sites they were captured with (captures, patches and
+        consumers' views run eagerly)."""
         return (
             bool(self.steered_graphs)
+            and iv.steer_tokens is not None
             and iv.kernel_sites <= self.graph_steer_sites
-            and not (iv.capture_index or iv.readout_index or iv.patch_index or iv.view_sites)
+            and not (iv.capture_index or iv.patch_index or iv.view_sites)
         )
 
     # -- the step -------------------------------------------------------------------------
@@ -475,7 +498,8 @@ class ModelRunner:
         sb = self.batch
         assert sb is not None
         if interventions is not None:
-            interventions.bind(*sb.steer_views(t))
+            assert self.readback is not None
+            interventions.bind(self.readback, *sb.steer_views(t))
         if fills:
             self._fill_placeholders(t)
         hidden = None
@@ -487,13 +511,14 @@ class ModelRunner:
             else:
                 entry = self.steered_graphs[bucket]
                 self.num_steered_graph_steps += 1
-                interventions.fired = self._graph_fired[:n]
             entry.graph.replay()
             logits = entry.logits[:n]
             if len(sample_rows) < n:
                 logits = logits[torch.tensor(sample_rows, device=self.device)]
         else:
             self.num_eager_steps += 1
+            if interventions is not None:
+                interventions.reset_fired()
             inputs = sb.attention_inputs(t, n, self.block_size, qsl, seq_lens)
             hidden = self._forward_eager(inputs, t, interventions)
             logits = None
@@ -502,8 +527,13 @@ class ModelRunner:
                 if len(sample_rows) < n:
                     index = index[torch.tensor(sample_rows, device=self.device)]
                 logits = self.model.compute_logits(hidden[index]).float()
-        pending = PendingStep(n, sample_rows)
+        pending = PendingStep(n, sample_rows, t)
+        if interventions is not None:
+            self._read_back(pending, interventions, bucket is not None, t, n, sample_rows)
         if hidden is None and bucket is None:  # a pipeline stage before the last
+            if pending.readback and self.device.type == "cuda":
+                pending.copied = torch.cuda.Event()
+                pending.copied.record()
             return pending
         if sample_rows:
             picked = [reqs[i] for i in sample_rows]
@@ -523,7 +553,33 @@ class ModelRunner:
             row0 = qsl[i] + first - q.start
             lp_logits = self.model.compute_logits(hidden[row0 : row0 + count])
             pending.prompt_logprobs[i] = (first, prompt_logprobs(lp_logits, next_ids, k))
+        if pending.readback and pending.copied is None and self.device.type == "cuda":
+            pending.copied = torch.cuda.Event()  # the read-back copies, with nothing sampled
+            pending.copied.record()
         return pending
+
+    def _read_back(
+        self,
+        pending: PendingStep,
+        iv: StepInterventions,
+        graphed: bool,
+        num_tokens: int,
+        num_seqs: int,
+        sample_rows: list[int],
+    ) -> None:
+        """Keep the gate bits each sampled row fired for the next step's latch carry (the
+        intervened graph does it itself when every row samples), and start copying what
+        the host reads of this step: fired bits, read-out scores (`_copy_back`'s event
+        covers these copies too)."""
+        rb = self.readback
+        assert rb is not None
+        if iv.reads_fired and sample_rows and not (graphed and len(sample_rows) == num_seqs):
+            index = self.batch.dev["logits_rows"][:num_seqs]
+            if len(sample_rows) < num_seqs:
+                index = index[torch.tensor(sample_rows, device=self.device)]
+            rb.last_fired[: len(index)].copy_(rb.fired[index])
+        pending.interventions = iv
+        pending.readback = rb.copy(num_tokens, num_seqs, iv.reads_fired, iv.reads_scores)
 
     def _copy_back(self, pending: PendingStep, sampled: SampledBatch) -> None:
         """Start the step's one device→host copy: sampled ids (and requested logprobs) into a

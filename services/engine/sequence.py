@@ -63,6 +63,9 @@ class Sequence:
         # The steering signature each computed position's KV was made under (b"": none).
         self.position_sigs: list[bytes] = []
         self.latched = 0  # bits of this sample's `rest_of_request` gates that have fired
+        # The decode content (RowContent) with gates its last planned step ran under: the
+        # latch carry applies only while it stays the same (interventions.manager).
+        self.gate_content: object | None = None
         # Overlapped steps: tokens sampled by a step still on the GPU are held as
         # PLACEHOLDER at the end of `token_ids` until the engine accepts them.
         self.num_pending = 0
@@ -120,6 +123,15 @@ class Sequence:
         )
         for a, b in itertools.pairwise(cuts):
             sigs += [self.kv_sig(a)] * (b - a)
+
+    def resign_kv_from(self, position: int) -> None:
+        """Record anew the signatures of positions from `position` on that a step in flight
+        already recorded (gate bits it latched on the device are now in `latched`)."""
+        sigs = self.position_sigs
+        if position < len(sigs):
+            end = len(sigs)
+            del sigs[position:]
+            sigs.extend(self.kv_sig(p) for p in range(position, end))
 
     def extra_keys(self, start: int, end: int) -> tuple:
         """What besides tokens shaped the KV of positions [start, end): the cache salt and the

@@ -146,3 +146,86 @@ def test_an_unsteered_request_beside_steered_ones_gets_what_it_gets_alone(tiny_c
     mixed, _ = _run_steered(path, "float32", False, {0, 2, 3, 5})
     plain, _ = _run_steered(path, "float32", False, set())
     _assert_same([mixed[1], mixed[4]], [plain[1], plain[4]])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_an_unsteered_request_beside_steered_ones_is_bit_identical_in_bf16(tiny_checkpoint, arch):
+    """In the same batches, an unsteered request's every kernel computes what the plain
+    path computes: the steer op adds exact zeros, does the residual add as the fused norm
+    does, and sums the next norm in the RMSNorm kernel's order. So its tokens and logprobs
+    are bit-identical, in bf16, to a run where no request steers."""
+    path = tiny_checkpoint(arch)
+    mixed, stats = _run_steered(path, "bfloat16", False, {0, 2, 3, 5})
+    plain, _ = _run_steered(path, "bfloat16", False, set())
+    assert stats["num_steered_graph_steps"] > 10
+    for i in (1, 4):
+        assert mixed[i].token_ids == plain[i].token_ids
+        assert mixed[i].logprobs == plain[i].logprobs  # exactly
+    assert mixed[0].logprobs != plain[0].logprobs  # the steering did steer
+
+
+# -- read-outs, gates and aborts in the intervened graph ------------------------------------
+
+
+def _read_back_params(i: int, hidden: int, num_layers: int) -> SamplingParams:
+    """Read-outs of two probes at graph sites on every request; a latching gate that adds a
+    large vector on every other one; an abort probe on one."""
+    g = torch.Generator().manual_seed(7)
+    probes = [torch.randn(hidden, generator=g) for _ in range(3)]
+    last = num_layers - 1
+    reads = [
+        {"probe": probes[0].tolist(), "layer": 0, "name": "first"},
+        {"probe": probes[1].tolist(), "layer": last, "name": "last"},
+    ]
+    steering = None
+    if i % 2 == 0:
+        vec = torch.randn(hidden, generator=torch.Generator().manual_seed(200 + i)) * 8
+        gate = {
+            "when": {"probe": probes[2].tolist(), "layer": 1, "threshold": 0.0, "sharpness": 50},
+            "scope": "rest_of_request",
+            "apply": {"add": {"vector": vec.tolist()}},
+        }
+        steering = {"gates": [gate]}
+        if i == 2:
+            steering["abort_when"] = [
+                {"probe": probes[0].tolist(), "layer": 0, "threshold": 1.0, "sharpness": 1}
+            ]
+    return dataclasses.replace(STEERED, readouts=reads, steering=steering)
+
+
+def _run_read_back(path, eager: bool):
+    cfg = EngineConfig(device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8)
+    engine = LLMEngine(path, cfg)
+    shape = engine.model_config.hidden_size, engine.model_config.num_layers
+    outs = {}
+    pending = list(enumerate(_prompts()))
+    totals = OutputAccumulator()
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, _read_back_params(i, *shape))
+        assert engine._can_overlap()
+        for out in totals.finished(engine.step()):
+            outs[out.request_id] = out.outputs[0]
+    snap = engine.steering_snapshot()
+    return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats(), snap
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_read_outs_gates_and_aborts_replay_the_intervened_graph_and_equal_eager(
+    tiny_checkpoint, arch
+):
+    path = tiny_checkpoint(arch)
+    graph, gstats, gsnap = _run_read_back(path, eager=False)
+    eager, estats, esnap = _run_read_back(path, eager=True)
+    assert gstats["num_steered_graph_steps"] > 10 and estats["num_graph_steps"] == 0
+    for g, w in zip(graph, eager, strict=True):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+        for dg, dw in zip(g.logprobs, w.logprobs, strict=True):
+            for t in dg:
+                assert dg[t] == pytest.approx(dw[t], abs=1e-4)
+        assert len(g.readouts) == len(g.token_ids)
+        for rg, rw in zip(g.readouts, w.readouts, strict=True):
+            assert rg == pytest.approx(rw, rel=1e-4, abs=1e-4)
+    assert gsnap["gate_firing"] == esnap["gate_firing"]
+    assert gsnap["probe_aborts"] == esnap["probe_aborts"]

@@ -34,6 +34,7 @@ from services.controller.messages import (
 from services.controller.redis_server import RedisServer
 from services.engine import AsyncLLM, EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.engine.interventions.actions import (
+    RequestSteeringOverride,
     SteeringMonitorUpdate,
     SteeringScaleUpdate,
     SteeringVectorUpdate,
@@ -261,7 +262,9 @@ def test_a_readout_crossing_its_target_silences_the_requests_steering(
     path, llm, link, rdb, controller_for
 ):
     """scale: once the probe's score passes the target, the request's steering gain drops to
-    0, one step after the token whose read-out crossed."""
+    0 at the top of the engine's next step. Steps overlap (read-outs do not stop them), so
+    when the token whose read-out crossed is delivered, the step making the token after it
+    is already running: the action first steers the token after that one."""
     p, v = vec(1, norm=1.0), vec(2, norm=6.0)
     steering = {"vectors": [{"layers": [1], "vector": v, "phase": "decode"}]}
     prompt_ids = prompt(1)
@@ -285,14 +288,15 @@ def test_a_readout_crossing_its_target_silences_the_requests_steering(
     assert hold.held and not hold.timed_out
 
     got = logprobs(out)
-    assert_close(got[: k + 1], logprobs(base)[: k + 1])  # steered up to the crossing token
-    assert differs(got[k + 1 :], logprobs(base)[k + 1 :])  # then no longer
-    # exactly as a sync consumer scaling the row to 0 after step k + 1 (which made token k)
+    # steered up to the token after the crossing one (in flight when the action came)
+    assert_close(got[: k + 2], logprobs(base)[: k + 2])
+    assert differs(got[k + 2 :], logprobs(base)[k + 2 :])  # then no longer
+    # exactly as a sync consumer scaling the row to 0 after step k + 2 (which made token k + 1)
     ref = reference(
         path,
         prompt_ids,
         params(steering=steering),
-        k + 1,
+        k + 2,
         [SteeringScaleUpdate(0.0, request_id="ref")],
     )
     assert_close(got, ref)
@@ -300,9 +304,12 @@ def test_a_readout_crossing_its_target_silences_the_requests_steering(
     wait_for(lambda: link.counters()["actions"]["applied"] >= 1, "the link to count it")
 
 
-def test_latch_keeps_a_conversation_steered_on_its_next_request(llm, link, rdb, controller_for):
+def test_latch_keeps_a_conversation_steered_on_its_next_request(
+    path, llm, link, rdb, controller_for
+):
     """latch: the probe fires in conversation c1's first request; that request is steered from
-    the next token on, c1's next request from its first decode token, and c2 never."""
+    the token after next on (the next one is in flight when the action comes: steps
+    overlap), c1's next request likewise from its second decode token, and c2 never."""
     p = vec(10, norm=1.0)
     steer = {"vectors": [{"layers": [1], "vector": vec(11, norm=6.0), "phase": "decode"}]}
     # two prompts: A crosses a threshold early that B never reaches
@@ -331,16 +338,16 @@ def test_latch_keeps_a_conversation_steered_on_its_next_request(llm, link, rdb, 
     hold = HoldForActions(llm, "c1-r1", k, source, count=queued + 1)
     r1 = generate(llm, a_ids, params(readouts=readouts(p), conversation_id="c1"), "c1-r1")
     assert hold.held
-    assert_close(logprobs(r1)[: k + 1], logprobs(a)[: k + 1])
-    assert differs(logprobs(r1)[k + 1 :], logprobs(a)[k + 1 :])
+    assert_close(logprobs(r1)[: k + 2], logprobs(a)[: k + 2])
+    assert differs(logprobs(r1)[k + 2 :], logprobs(a)[k + 2 :])
 
     hold = HoldForActions(llm, "c1-r2", 0, source, count=queued + 2)
     r2 = generate(llm, b_ids, params(readouts=readouts(p), conversation_id="c1"), "c1-r2")
     assert hold.held
-    # overridden from its first decode token: the same as asking for decode steering
-    steered_b = generate(llm, b_ids, params(steering=steer), "latch-ref")
-    assert_close(logprobs(r2), logprobs(steered_b))
-    assert differs(logprobs(r2)[1:], logprobs(b)[1:])
+    # overridden from its second decode token: as a sync consumer overriding it after step 2
+    ref = reference(path, b_ids, params(), 2, [RequestSteeringOverride("ref", steer)])
+    assert_close(logprobs(r2), ref)
+    assert differs(logprobs(r2)[2:], logprobs(b)[2:])
 
     r3 = generate(llm, b_ids, params(readouts=readouts(p), conversation_id="c2"), "c2-r1")
     assert_close(logprobs(r3), logprobs(b))  # another conversation: never latched
@@ -361,7 +368,8 @@ def test_latch_keeps_a_conversation_steered_on_its_next_request(llm, link, rdb, 
 
 def test_monitor_policy_installs_a_gated_dynamic_vector(path, redis_server, controller_for):
     """monitor: once enough tokens fire, the in-graph monitor and the dynamic vector it gates
-    are installed, exactly as if a sync consumer had installed them at that step."""
+    are installed, exactly as if a sync consumer had installed them one step after the
+    token that completed the window (the step after it was in flight: steps overlap)."""
     p, v = vec(30, norm=1.0), vec(31, norm=6.0)
     monitor = {"layer": 1, "probe": p, "threshold": -1e4, "sharpness": 1.0}  # gate wide open
     dynamic = {"layers": [1], "vector": v}
@@ -385,7 +393,7 @@ def test_monitor_policy_installs_a_gated_dynamic_vector(path, redis_server, cont
         path,
         prompt(3),
         params(),
-        4,
+        5,
         [
             SteeringVectorUpdate("post_block", [1], v),
             SteeringMonitorUpdate("post_block", 1, p, threshold=-1e4, sharpness=1.0),

@@ -55,7 +55,42 @@ def _steered(work: list, hidden: int) -> list:
     return out
 
 
-def _run(model_dir, overlap: bool, stagger: bool = True, steer: bool = False, **config) -> dict:
+def _read_back(work: list, hidden: int) -> list:
+    """Every request reads out two probes and has a latching gate (that adds a large vector
+    once it fires: on some requests at one token only, so the next token is steered by the
+    latch alone), and one has an abort probe: everything whose results come back from the
+    device after each step."""
+    g = torch.Generator().manual_seed(5)
+    probes = [torch.randn(hidden, generator=g) for _ in range(3)]
+    reads = [
+        {"probe": probes[0].tolist(), "layer": 0, "site": "post_block", "name": "a"},
+        {"probe": probes[1].tolist(), "layer": 1, "site": "post_attn", "name": "b"},
+    ]
+    out = []
+    for i, (rid, prompt, params) in enumerate(work):
+        gate = {
+            "when": {"probe": probes[2].tolist(), "layer": 1, "threshold": 70, "sharpness": 50},
+            "scope": "rest_of_request",
+            "apply": {"add": {"vector": (torch.randn(hidden, generator=g) * 8).tolist()}},
+        }
+        steering: dict = {"gates": [gate]}
+        if i == 2:
+            steering["abort_when"] = [
+                {"probe": probes[0].tolist(), "layer": 0, "threshold": 2.0, "sharpness": 1}
+            ]
+        out.append((rid, prompt, dataclasses.replace(params, readouts=reads, steering=steering)))
+    return out
+
+
+def _run(
+    model_dir,
+    overlap: bool,
+    stagger: bool = True,
+    steer: bool = False,
+    read_back: bool = False,
+    snapshots: list | None = None,
+    **config,
+) -> dict:
     engine = LLMEngine(
         model_dir,
         EngineConfig(device="cpu", dtype="float32", async_scheduling=overlap, **config),
@@ -63,6 +98,8 @@ def _run(model_dir, overlap: bool, stagger: bool = True, steer: bool = False, **
     work = _workload()
     if steer:
         work = _steered(work, engine.model_config.hidden_size)
+    if read_back:
+        work = _read_back(work, engine.model_config.hidden_size)
     finished = {}
     steps = 0
     totals = OutputAccumulator()
@@ -77,6 +114,8 @@ def _run(model_dir, overlap: bool, stagger: bool = True, steer: bool = False, **
         assert steps < 200
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    if snapshots is not None:
+        snapshots.append(engine.steering_snapshot())
     return finished
 
 
@@ -94,6 +133,12 @@ def _same(a: dict, b: dict) -> None:
                     assert dx.keys() == dy.keys()
                     for t in dx:
                         assert dx[t] == pytest.approx(dy[t], abs=1e-4)
+            # Batches differ between the two runs, so the float32 residuals agree to rounding.
+            assert (cx.readouts is None) == (cy.readouts is None), rid
+            for rx, ry in zip(cx.readouts or [], cy.readouts or [], strict=True):
+                assert rx.keys() == ry.keys()
+                for name in rx:
+                    assert rx[name] == pytest.approx(ry[name], rel=1e-4, abs=1e-4), rid
         if x.prompt_logprobs is not None:
             assert len(x.prompt_logprobs) == len(y.prompt_logprobs)
 
@@ -163,17 +208,70 @@ def test_steered_steps_overlap_and_give_what_synchronous_steps_give(model_dir):
     assert plain["greedy"].outputs[0].token_ids != overlapped["greedy"].outputs[0].token_ids
 
 
-def test_steering_overlaps_but_what_is_read_back_does_not(model_dir):
-    """Steering is planned from host state, so its steps overlap; a read-out (or capture,
-    patch, gate, consumer) is read on the host after each step, so it turns overlap off
-    until its request ends."""
+def test_steps_with_read_outs_gates_and_aborts_overlap_and_give_what_synchronous_steps_give(
+    model_dir,
+):
+    """Read-outs and abort probes are taken when a step is accepted, and a latching gate's
+    bits reach the step after it on the device (the latch carry): overlapped steps give the
+    same tokens, read-outs, latches and aborts as synchronous ones."""
+    snaps: list = []
+    sync = _run(model_dir, overlap=False, read_back=True, snapshots=snaps)
+    overlapped = _run(model_dir, overlap=True, read_back=True, snapshots=snaps)
+    _same(overlapped, sync)
+    assert snaps[0]["gate_firing"] == snaps[1]["gate_firing"]
+    firing = next(iter(snaps[1]["gate_firing"].values()))
+    assert 0 < firing["fired"] < firing["tokens"], "the gate should fire on some tokens only"
+    assert overlapped["seeded"].outputs[0].readouts, "every request reads out"
+    assert snaps[0]["probe_aborts"] == snaps[1]["probe_aborts"]
+    # The gates change what is generated (so a lost latch would show).
+    plain = _run(model_dir, overlap=True)
+    assert any(
+        plain[rid].outputs[0].token_ids != overlapped[rid].outputs[0].token_ids
+        for rid in ("greedy", "n2", "plp")
+    )
+
+
+def _steady(model_dir) -> tuple[dict, dict]:
+    """Four requests that read out and gate, decoding side by side to the same length."""
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+    work = _read_back(_workload(), engine.model_config.hidden_size)
+    totals, done = OutputAccumulator(), {}
+    for rid, prompt, params in work[:2] + work[3:5]:  # no abort: nothing ends early
+        params = dataclasses.replace(params, n=1, max_tokens=16, ignore_eos=True, stop=[])
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in totals.finished(engine.step()):
+            done[out.request_id] = out
+    return done, engine.steering_snapshot()
+
+
+def test_steady_decode_reuses_its_plan_and_gets_what_replanning_gets(model_dir, monkeypatch):
+    """An all-decode step of the same sequences as the step before, with nothing changed
+    in between, reuses that step's plan; a run that replans every step gives the same."""
+    cached, snap = _steady(model_dir)
+    assert snap["cached_plans"] >= 8
+    from services.engine.interventions.manager import InterventionManager
+
+    forgets = property(lambda self: None, lambda self, value: None)  # a cache that never holds
+    monkeypatch.setattr(InterventionManager, "_plan_cache", forgets, raising=False)
+    replanned, snap2 = _steady(model_dir)
+    assert snap2["cached_plans"] == 0
+    _same(cached, replanned)
+    assert snap["gate_firing"] == snap2["gate_firing"]
+
+
+def test_what_the_next_plan_needs_turns_overlap_off(model_dir):
+    """Steering, read-outs and gates overlap; a capture (rows written to a sink each step)
+    turns overlap off until its request ends."""
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
     vec = torch.randn(engine.model_config.hidden_size).tolist()
     steer = {"vectors": [{"layers": [1], "site": "post_block", "vector": vec, "scale": 2.0}]}
     engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=3, steering=steer))
-    assert engine._can_overlap()
     readouts = [{"probe": vec, "layer": 1, "name": "p"}]
     engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=3, readouts=readouts))
+    assert engine._can_overlap()
+    capture = {"sites": {"post_block": [0]}, "positions": "all"}
+    engine.add_request("c", PROMPTS[2], SamplingParams(max_tokens=3, capture=capture))
     assert not engine._can_overlap()
     while engine.has_unfinished_requests():
         engine.step()

@@ -254,6 +254,38 @@ def test_readouts_report_probe_scores_per_generated_token(path, hidden):
     assert got == pytest.approx(want, abs=1e-3)
 
 
+def test_probe_banks_share_columns_make_full_ones_wait_and_reject_what_cannot_fit(path, hidden):
+    """A site's bank holds `readout_probes_per_site` distinct probes: requests reading the
+    same probe share its column, one that needs a column a full bank lacks waits for it
+    (its read-outs are then what it reads alone), and one that needs more than a bank
+    holds is refused when added."""
+    probes = [_vec(70 + i, hidden, norm=1.0).tolist() for i in range(4)]
+
+    def reads(*which: int) -> list[dict]:
+        return [{"probe": probes[i], "layer": 1, "name": f"p{i}"} for i in which]
+
+    prompt = _prompt(9)
+    alone = _run(_engine(path), {"c": (prompt, _params(readouts=reads(2, 3)))})["c"]
+    engine = _engine(path, readout_probes_per_site=2)
+    for rid, which in (("a", (0, 1)), ("b", (1, 0))):  # the same two probes: shared
+        engine.add_request(rid, _prompt(10), _params(readouts=reads(*which)))
+    engine.add_request("c", prompt, _params(readouts=reads(2, 3)))  # a full bank: waits
+    engine.step()
+    pools = engine.steering_snapshot()["pools"]
+    assert pools["probes_used"] == {"1.post_block": 2}
+    assert pools["admissions_waiting_for_probes"] >= 1
+    assert [s.seq_id for s in engine.scheduler.waiting] != []
+    done = _run(engine, {})
+    assert done.keys() == {"a", "b", "c"}
+    for a, b in zip(done["a"].outputs[0].readouts, done["b"].outputs[0].readouts, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)  # one column, read from two rows of the batch
+    for got, want in zip(done["c"].outputs[0].readouts, alone.outputs[0].readouts, strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+    assert engine.steering_snapshot()["pools"]["probes_used"] == {}
+    with pytest.raises(InvalidRequestError, match="probe bank holds 2"):
+        engine.add_request("d", prompt, _params(readouts=reads(0, 1, 2)))
+
+
 def test_abort_when_stops_with_finish_reason_probe(path, hidden):
     prompt, probe = _prompt(8), _vec(8, hidden, norm=1.0)
     scores = [

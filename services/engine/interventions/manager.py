@@ -91,6 +91,9 @@ def _finite(value: float, what: str) -> None:
         raise InvalidRequestError(f"{what} must be a finite number, got {value!r}")
 
 
+NO_CONTENT = RowContent()  # what a request without steering adds: nothing (never written)
+
+
 @dataclass
 class RequestInterventions:
     """One request's resolved interventions and the table rows it holds."""
@@ -113,7 +116,7 @@ class RequestInterventions:
         """What the request's decode tokens get now: an override's content, or its own."""
         if self.override is not None:
             return self.override
-        return self.steering.decode if self.steering else RowContent()
+        return self.steering.decode if self.steering else NO_CONTENT
 
     @property
     def effective_decode_row(self) -> int:
@@ -124,6 +127,19 @@ class RequestInterventions:
         self.probes: list[ProbeRead] = self.readouts + (
             self.steering.abort_when if self.steering else []
         )
+        self.probe_digests = [digest(p.probe) for p in self.probes]
+        self.readout_names = [p.name for p in self.readouts]
+        # Once admitted: each probe's column in its site's bank, and its offset in a
+        # request's row of the read-back scores ([layers, sites, columns], flattened).
+        self.probe_cols: list[int] = []
+        self.probe_flat = np.zeros(0, np.int64)
+
+    def probe_wants(self) -> dict[SiteKey, set[bytes]]:
+        """The probe bank columns this request reads, by site: their digests."""
+        wants: dict[SiteKey, set[bytes]] = {}
+        for probe, d in zip(self.probes, self.probe_digests, strict=True):
+            wants.setdefault((probe.layer, probe.site), set()).add(d)
+        return wants
 
 
 @dataclass
@@ -162,6 +178,7 @@ class InterventionManager:
         *,
         per_request_rows: int = 256,
         dynamic_rows: int = 32,
+        probe_columns: int = 8,
         action_queue_size: int = 1024,
         registry: VectorRegistry | None = None,
     ):
@@ -173,7 +190,7 @@ class InterventionManager:
         )
         self.resolver = Resolver(num_layers, hidden_size, self.registry)
         self.tables = SteeringTables(
-            num_layers, hidden_size, device, dtype, per_request_rows, dynamic_rows
+            num_layers, hidden_size, device, dtype, per_request_rows, dynamic_rows, probe_columns
         )
         self.queue = ActionQueue(action_queue_size)
         self.counters = _Counters()
@@ -193,6 +210,7 @@ class InterventionManager:
         self.global_scale = {"prefill": 1.0, "decode": 1.0}
         self.dynamic_gain = 1.0
         self.num_waits_for_rows = 0  # admissions deferred because a pool was full
+        self.num_waits_for_probes = 0  # ... because a site's probe bank was full
         self.num_probe_aborts = 0
         # Declarative gates, per (layer, site): decode tokens they were evaluated on, and
         # how many of those they fired on (the dashboard's firing rates).
@@ -201,6 +219,12 @@ class InterventionManager:
         self.steps = 0
         self._prefill_env = b""
         self._decode_env = b""
+        # Steady decode replans nothing: the last all-decode step's plan, by (epoch, the
+        # sequences in batch order). The epoch moves whenever something a plan reads
+        # changes: an admission, a release, an applied action, a latch, a gate change.
+        self._epoch = 0
+        self._plan_cache: tuple[tuple, tuple] | None = None
+        self.num_cached_plans = 0  # steps planned from it
 
     # -- requests -------------------------------------------------------------------------
 
@@ -252,6 +276,13 @@ class InterventionManager:
                     f"this steering needs {len(contents)} table rows but the per-request pool "
                     f"has {self.tables.request_pool.size} (EngineConfig.steering_request_rows)"
                 )
+        for (layer, site), digests in iv.probe_wants().items():
+            if len(digests) > self.tables.probe_columns:
+                raise InvalidRequestError(
+                    f"{len(digests)} distinct probes read at {site_key(layer, site)}, but a "
+                    f"site's probe bank holds {self.tables.probe_columns} "
+                    "(EngineConfig.readout_probes_per_site)"
+                )
         if iv.capture is not None and iv.capture.run is not None:
             if self.patch_sources is None:
                 raise InvalidRequestError(
@@ -288,18 +319,38 @@ class InterventionManager:
         self.requests[group.request_id] = group
 
     def try_admit(self, seq: Sequence) -> bool:
-        """Give the request its rows; False (it waits) while the per-request pool is full."""
+        """Give the request its table rows and probe columns; False (it waits) while the
+        per-request pool or a probe bank it reads is full."""
+        self._epoch += 1
         iv = seq.group.interventions
-        if iv is None or iv.has_rows or iv.steering is None:
+        if iv is None or iv.has_rows or (iv.steering is None and not iv.probes):
             return True
-        pool = self.tables.request_pool
-        contents = [iv.steering.prefill, iv.steering.decode]
-        needed = {c.digest for c in contents if not c.is_empty and pool.lookup(c.digest) is None}
-        if len(needed) > len(pool.free):
-            self.num_waits_for_rows += 1
+        if iv.steering is not None:
+            pool = self.tables.request_pool
+            contents = [iv.steering.prefill, iv.steering.decode]
+            needed = {
+                c.digest for c in contents if not c.is_empty and pool.lookup(c.digest) is None
+            }
+            if len(needed) > len(pool.free):
+                self.num_waits_for_rows += 1
+                return False
+        if iv.probes and not self.tables.probe_room(iv.probe_wants()):
+            self.num_waits_for_probes += 1
             return False
-        rows = [self._acquire_shared(c) for c in contents]
-        iv.prefill_row, iv.decode_row = rows
+        if iv.steering is not None:
+            iv.prefill_row, iv.decode_row = (
+                self._acquire_shared(c) for c in (iv.steering.prefill, iv.steering.decode)
+            )
+        iv.probe_cols = [
+            self.tables.acquire_probe((p.layer, p.site), d, p.probe)
+            for p, d in zip(iv.probes, iv.probe_digests, strict=True)
+        ]
+        C = self.tables.probe_columns
+        iv.probe_flat = np.array(
+            [(p.layer * len(SITES) + SITES.index(p.site)) * C + col
+             for p, col in zip(iv.probes, iv.probe_cols, strict=True)],
+            np.int64,
+        )  # fmt: skip
         iv.has_rows = True
         self._refresh_sigs(seq.group)
         return True
@@ -319,6 +370,7 @@ class InterventionManager:
 
     def release(self, group: RequestGroup) -> None:
         """Return a finished request's rows and forget its captures."""
+        self._epoch += 1
         self.requests.pop(group.request_id, None)
         self.sink.drop(group.request_id)
         iv = group.interventions
@@ -331,7 +383,11 @@ class InterventionManager:
             ):
                 if row != ZERO_ROW and self.tables.request_pool.release(row):
                     self.tables.clear_row(row, content)
-            iv.has_rows = False
+        if iv.has_rows:
+            for probe, col in zip(iv.probes, iv.probe_cols, strict=True):
+                self.tables.release_probe((probe.layer, probe.site), col)
+            iv.probe_cols = []
+        iv.has_rows = False
         self._drop_override(group, iv)
 
     def _drop_override(self, group: RequestGroup, iv: RequestInterventions) -> None:
@@ -402,6 +458,7 @@ class InterventionManager:
         applies or is counted rejected. A parallel replica's ranks all apply the list the
         driver drained."""
         for source, action in self.queue.drain() if items is None else items:
+            self._epoch += 1
             try:
                 self._apply(action)
             except Exception as exc:  # a bad action is rejected, never fatal to the step
@@ -565,6 +622,7 @@ class InterventionManager:
     # -- KV signatures ----------------------------------------------------------------------
 
     def _env_changed(self) -> None:
+        self._epoch += 1
         t = self.tables
         g = self.global_rows
         self._prefill_env = (
@@ -604,38 +662,61 @@ class InterventionManager:
 
     def reads_nothing_back(self) -> bool:
         """No step needs its results on the host before the next is planned: no consumer,
-        and no live request with a capture, read-outs, an abort probe, patches or gates
-        (gates latch from what fired). Steering, the dynamic tier and monitors are planned
-        from host state alone, so such steps may overlap (`LLMEngine.step`)."""
+        and no live request with a capture or patches. Steering, the dynamic tier and
+        monitors are planned from host state alone; read-outs and abort probes are taken
+        when the step is accepted (an abort drops the token the next step computed, as a
+        stop token does); gates latch on the device too (the latch carry), so the step
+        after one in flight sees what it fired. Such steps may overlap (`LLMEngine.step`)."""
         if self.consumers:
             return False
         for group in self.requests.values():
             iv = group.interventions
-            if iv is None:
-                continue
-            if iv.capture is not None or iv.probes or iv.patches is not None:
-                return False
-            if iv.decode_content.gates or (iv.steering and iv.steering.prefill.gates):
+            if iv is not None and (iv.capture is not None or iv.patches is not None):
                 return False
         return True
 
     def plan(self, sched: SchedulerOutput) -> StepInterventions | None:
         """Per-token tensors for this step, or None when nothing intervenes in it."""
         self.steps += 1
+        decode_only = True
         for s in sched.scheduled:
-            s.seq.record_kv_sigs(s.start, s.num_tokens)
+            seq = s.seq
+            seq.record_kv_sigs(s.start, s.num_tokens)
+            decode_only = decode_only and s.num_tokens == 1 and s.start >= seq.num_prompt_tokens
         kernel_sites = self.tables.active_sites()
+        key = None
+        if decode_only and kernel_sites and not self.consumers:
+            key = (self._epoch, *(s.seq.seq_id for s in sched.scheduled))
+            cached = self._plan_cache
+            if cached is not None and cached[0] == key:
+                self.num_cached_plans += 1
+                steer_tokens, readers, gated, read_index = cached[1]
+                return StepInterventions(
+                    self.tables,
+                    kernel_sites,
+                    steer_tokens,
+                    readers=readers,
+                    gated=gated,
+                    read_index=read_index,
+                )
         capture_rows: dict[SiteKey, list[int]] = {}
         capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = {}
-        read_rows: dict[SiteKey, list[int]] = {}
-        read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = {}
+        readers: list[tuple[int, RequestInterventions]] = []
+        gated: list[tuple[int, RowContent]] = []
         patch_rows: dict[SiteKey, list[tuple[int, torch.Tensor, float]]] = {}
         row0 = 0
         for i, s in enumerate(sched.scheduled):
             iv = s.seq.group.interventions
-            if iv is not None and (iv.capture is not None or iv.probes):
-                self._plan_reads(i, row0, s, iv, capture_rows, capture_meta, read_rows, read_meta)
-            if iv is not None and iv.patches is not None:
+            if iv is None:
+                row0 += s.num_tokens
+                continue
+            if iv.capture is not None:
+                self._plan_capture(row0, s, iv, capture_rows, capture_meta)
+            if iv.probes and s.samples:  # probes read the residual a token is sampled from
+                readers.append((i, iv))
+            if iv.decode_content.gates:
+                gated.append((i, iv.decode_content))
+            if iv.patches is not None:
                 end = s.start + s.num_tokens
                 for key, entries in iv.patches.by_site.items():
                     for pos, target, alpha in entries:
@@ -644,27 +725,22 @@ class InterventionManager:
                                 (row0 + pos - s.start, target, alpha)
                             )
             row0 += s.num_tokens
-        if not (kernel_sites or self.consumers or capture_rows or read_rows or patch_rows):
+        if not (kernel_sites or self.consumers or capture_rows or patch_rows):
             return None
+        # only the kernel reads them, so a step without kernel sites plans none
+        steer_tokens = self._plan_tokens(sched, bool(readers)) if kernel_sites else None
 
         def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-        return StepInterventions(
+        plan = StepInterventions(
             tables=self.tables,
             kernel_sites=kernel_sites,
-            # only the kernel reads them, so a step without kernel sites plans none
-            steer_tokens=self._plan_tokens(sched) if kernel_sites else None,
+            steer_tokens=steer_tokens,
             capture_index={k: tensor(v, torch.long) for k, v in capture_rows.items()},
             capture_meta=capture_meta,
-            readout_index={
-                k: (
-                    tensor(v, torch.long),
-                    torch.stack([p.probe for _, p in read_meta[k]]).to(self.device),
-                )
-                for k, v in read_rows.items()
-            },
-            readout_meta=read_meta,
+            readers=readers,
+            gated=gated,
             patch_index={
                 k: (
                     tensor([r for r, _, _ in v], torch.long),
@@ -675,15 +751,23 @@ class InterventionManager:
             },
             view_sites={k for _, keys in self.consumers.values() for k in keys},
         )
+        # Cached unless planning itself moved the epoch (a gate met a sequence).
+        if key is not None and not (capture_rows or patch_rows) and key[0] == self._epoch:
+            self._plan_cache = (key, (steer_tokens, readers, gated, plan.read_index))
+        return plan
 
-    def _plan_tokens(self, sched: SchedulerOutput) -> SteerTokens:
-        """Each token's steering row, latched bits, decode flag and dynamic gain."""
+    def _plan_tokens(self, sched: SchedulerOutput, reads: bool) -> SteerTokens:
+        """Each token's steering row, latched bits, decode flag, dynamic gain, read-out row
+        and latch carry (`reads`: some request reads out this step)."""
         rows: list[int] = []
         latched: list[int] = []
         decode: list[float] = []
         gain: list[float] = []
+        carry: list[bool] = []
+        read_rows = np.full(sched.num_tokens, -1, np.int32) if reads else None
         dyn = self.dynamic_gain if self.tables.dynamic else 0.0
-        for s in sched.scheduled:
+        row0 = 0
+        for i, s in enumerate(sched.scheduled):
             seq, n = s.seq, s.num_tokens
             iv = seq.group.interventions
             n_pre = min(n, seq.num_prompt_tokens - s.start)
@@ -692,48 +776,58 @@ class InterventionManager:
                 latched += [0] * n_pre
                 decode += [0.0] * n_pre
                 gain += [0.0] * n_pre
+                carry += [False] * n_pre
             n_dec = n - max(n_pre, 0)
             if n_dec > 0:
                 rows += [iv.effective_decode_row if iv else ZERO_ROW] * n_dec
                 latched += [seq.latched] * n_dec
                 decode += [1.0] * n_dec
                 gain += [dyn * iv.dyn_gain if iv else dyn] * n_dec
+                # The bits the step before fired (still on the device if it is in flight)
+                # latch only under the gates they fired for.
+                content = iv.decode_content if iv is not None else None
+                carry += [content is not None and seq.gate_content is content] * n_dec
+                gates = content if content is not None and content.gates else None
+                if seq.gate_content is not gates:
+                    seq.gate_content = gates
+                    self._epoch += 1  # the next step's carry differs from this one's
+            if read_rows is not None and iv is not None and iv.probes and s.samples:
+                read_rows[row0 + n - 1] = i
+            row0 += n
         return SteerTokens(
             rows=np.asarray(rows, np.int32),
             latched=np.asarray(latched, np.int32),
             decode=np.asarray(decode, np.float32),
             gain=np.asarray(gain, np.float32),
+            read_rows=read_rows if read_rows is not None else np.full(row0, -1, np.int32),
+            carry=np.asarray(carry, np.bool_),
         )
 
     @staticmethod
-    def _plan_reads(
-        i: int,
+    def _plan_capture(
         row0: int,
         s: ScheduledSeq,
         iv: RequestInterventions,
         capture_rows: dict[SiteKey, list[int]],
         capture_meta: dict[SiteKey, list[tuple[str, list[int]]]],
-        read_rows: dict[SiteKey, list[int]],
-        read_meta: dict[SiteKey, list[tuple[int, ProbeRead]]],
     ) -> None:
-        """Rows this sequence's captures copy and its probes read, at each (layer, site)."""
+        """Rows this sequence's captures copy, at each (layer, site)."""
         seq, n = s.seq, s.num_tokens
-        if iv.capture is not None and seq.index == 0:
-            P = seq.num_prompt_tokens
-            positions = [p for p in range(s.start, s.start + n) if iv.capture.wants(p, P)]
-            if positions:
-                rows = [row0 + p - s.start for p in positions]
-                for key in iv.capture.sites:
-                    capture_rows.setdefault(key, []).extend(rows)
-                    capture_meta.setdefault(key, []).append((seq.group.request_id, positions))
-        if s.samples:
-            for probe in iv.probes:
-                key = (probe.layer, probe.site)
-                read_rows.setdefault(key, []).append(row0 + n - 1)
-                read_meta.setdefault(key, []).append((i, probe))
+        assert iv.capture is not None
+        if seq.index != 0:
+            return
+        P = seq.num_prompt_tokens
+        positions = [p for p in range(s.start, s.start + n) if iv.capture.wants(p, P)]
+        if positions:
+            rows = [row0 + p - s.start for p in positions]
+            for key in iv.capture.sites:
+                capture_rows.setdefault(key, []).extend(rows)
+                capture_meta.setdefault(key, []).append((seq.group.request_id, positions))
 
     def after_forward(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport:
         """Route this step's captures, read-outs and gate firings; returns the read-outs."""
+        if not (step.capture_meta or step.readers or step.gated or self.consumers):
+            return None  # steering alone: nothing comes back
         n = len(sched.scheduled)
         report = StepReport([None] * n, [None] * n)
         spans = self._spans(sched)
@@ -743,37 +837,60 @@ class InterventionManager:
             for request_id, positions in step.capture_meta[key]:
                 self.sink.write(request_id, name, positions, rows[at : at + len(positions)])
                 at += len(positions)
-        for key, scores in step.scores.items():
-            for (i, probe), value in zip(step.readout_meta[key], scores.tolist(), strict=True):
-                if probe.threshold is None:
-                    reads = report.readouts[i] = report.readouts[i] or {}
-                    reads[probe.name] = value
-                elif probe.fires(value) and report.aborts[i] is None:
-                    report.aborts[i] = probe.name
-                    self.num_probe_aborts += 1
-        gated = [
-            (s, span, iv.decode_content)
-            for s, span in zip(sched.scheduled, spans, strict=True)
-            if (iv := s.seq.group.interventions) is not None and iv.decode_content.gates
-        ]
-        if gated:
-            fired = step.fired.cpu().tolist()
-            for s, (start, count), content in gated:
-                # Gates act on decode tokens only: the span's tail past the prompt.
-                n_dec = count - max(0, min(count, s.seq.num_prompt_tokens - s.start))
-                if n_dec <= 0:
-                    continue
-                tokens = fired[start + count - n_dec : start + count]
-                bits = 0
-                for f in tokens:
-                    bits |= f
-                s.seq.latched |= bits & content.latching_bits  # n > 1 samples latch apart
-                for key, gate in content.gates.items():
-                    self.gate_tokens[key] += n_dec
-                    self.gate_fired[key] += sum((f >> gate.bit) & 1 for f in tokens)
+        if step.readers:
+            values, at = step.probe_values(), 0
+            for i, iv in step.readers:
+                k, end = len(iv.readouts), at + len(iv.probes)
+                if k:
+                    reads = values[at : at + k]
+                    report.readouts[i] = dict(zip(iv.readout_names, reads, strict=True))
+                for probe, value in zip(iv.probes[k:], values[at + k : end], strict=True):
+                    if probe.fires(value):
+                        report.aborts[i] = probe.name
+                        self.num_probe_aborts += 1
+                        break
+                at = end
+        if step.gated:
+            self._latch(sched, step, spans)
         if self.consumers:
             self._run_consumers(sched, step, spans)
         return report
+
+    def _latch(
+        self, sched: SchedulerOutput, step: StepInterventions, spans: list[tuple[int, int]]
+    ) -> None:
+        """Latch the gate bits each gated request fired on its decode tokens, and count them
+        for the firing rates (per distinct content, not per request)."""
+        assert step.fired is not None, "collect() gives every gated step its fired bits"
+        fired = step.fired.tolist()
+        by_content: dict[int, tuple[RowContent, list[int]]] = {}
+        for i, content in step.gated:
+            s = sched.scheduled[i]
+            seq = s.seq
+            iv = seq.group.interventions
+            if seq.is_finished or iv is None or iv.decode_content is not content:
+                continue  # its gates changed since this step was planned: the bits mean others
+            start, count = spans[i]
+            # Gates act on decode tokens only: the span's tail past the prompt.
+            n_dec = count - max(0, min(count, seq.num_prompt_tokens - s.start))
+            if n_dec <= 0:
+                continue
+            tokens = fired[start + count - n_dec : start + count]
+            bits = 0
+            for f in tokens:
+                bits |= f
+            new = bits & content.latching_bits & ~seq.latched
+            if new:
+                seq.latched |= new  # n > 1 samples latch apart
+                self._epoch += 1
+                # Positions computed since (a step in flight) latched these bits on the
+                # device already: their KV signatures say so now.
+                seq.resign_kv_from(s.start + count)
+            by_content.setdefault(id(content), (content, []))[1].extend(tokens)
+        for content, tokens in by_content.values():
+            for key, gate in content.gates.items():
+                self.gate_tokens[key] += len(tokens)
+                self.gate_fired[key] += sum((f >> gate.bit) & 1 for f in tokens)
 
     @staticmethod
     def _spans(sched: SchedulerOutput) -> list[tuple[int, int]]:
@@ -853,6 +970,11 @@ class InterventionManager:
                 "per_request": {"used": t.request_pool.used, "size": t.request_pool.size},
                 "dynamic": {"used": t.dynamic_pool.used, "size": t.dynamic_pool.size},
                 "admissions_waiting_for_rows": self.num_waits_for_rows,
+                "probe_columns": t.probe_columns,
+                "probes_used": {
+                    site_key(*k): p.used for k, p in sorted(t.probe_pools.items()) if p.used
+                },
+                "admissions_waiting_for_probes": self.num_waits_for_probes,
             },
             "global": {
                 phase: sorted(site_key(*k) for k in self.global_rows[phase].vectors)
@@ -870,6 +992,7 @@ class InterventionManager:
             ),
             "consumers": {name: tm.as_dict() for name, tm in self.consumer_timing.items()},
             "probe_aborts": self.num_probe_aborts,
+            "cached_plans": self.num_cached_plans,
             "gate_firing": {
                 site_key(*k): {"tokens": n, "fired": self.gate_fired[k]}
                 for k, n in sorted(self.gate_tokens.items())

@@ -1,20 +1,26 @@
 """One step's interventions as tensors: what each site of the forward pass does.
 
-The planner (in `manager.py`) turns the scheduler's output into per-token index tensors;
-the model calls `StepInterventions.apply(layer, site, h)` at every site, which — in the
-order the design fixes — captures the pristine residual, evaluates read-out probes on
-it, patches the rows a patch lands on, then runs the fused steer/monitor/gate op where
-anything is installed.
+The planner (in `manager.py`) turns the scheduler's output into per-token indices; the
+model calls `StepInterventions.apply(layer, site, h)` at every site, which — in the order
+the design fixes — captures the pristine residual, patches the rows a patch lands on, then
+runs the fused op where anything is installed: steering, the monitor, gates, and the
+read-out probes (all of which read the pristine residual).
+
+What the host reads back from the fused op — gate bits fired per token, read-out scores
+per request — is written into the fixed buffers of a `Readback`, so a CUDA graph can write
+them, and comes back with one asynchronous pinned copy per kind behind the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from services.engine.interventions.resolve import ProbeRead, SiteKey
+from services.engine.interventions.resolve import RowContent, SiteKey
+from services.engine.interventions.sites import SITES
 from services.engine.interventions.tables import SteeringTables
 from services.engine.kernels.patch import patch
 from services.engine.kernels.steer import steer
@@ -30,6 +36,68 @@ class SteerTokens:
     latched: np.ndarray  # [T] int32: latched gate bits of each token's request
     decode: np.ndarray  # [T] float32: 1 on decode tokens
     gain: np.ndarray  # [T] float32: dynamic-tier gain (0 on prefill tokens)
+    read_rows: np.ndarray  # [T] int32: the request's row of the scores, on tokens that read out
+    carry: np.ndarray  # [T] bool: latch what the request's gates fired in the step before
+
+
+# What padding rows of a graph batch hold in each `SteerTokens` field: no steering, no
+# read-out, no carry.
+STEER_PAD = {"rows": 0, "latched": 0, "decode": 0, "gain": 0, "read_rows": -1, "carry": -1}
+
+
+class Readback:
+    """Fixed device buffers the fused op writes for the host, and the pinned host buffers
+    they come back through (two of each, used in turn, as the step batch's).
+
+    - `fired` [tokens] int32: gate bits each token fired this step;
+    - `last_fired` [sequences] int32: the bits each sampled row of the step before fired
+      (the latch carry reads it: with overlapped steps the host has not seen them yet);
+    - `scores` [sequences, layers, sites, columns] float32: read-out scores per request.
+    """
+
+    def __init__(
+        self, max_tokens: int, max_seqs: int, num_layers: int, columns: int, device: torch.device
+    ):
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        i32 = torch.int32
+        self.fired = torch.zeros(max_tokens, dtype=i32, device=device)
+        self.last_fired = torch.zeros(max_seqs, dtype=i32, device=device)
+        shape = (max_seqs, num_layers, len(SITES), columns)
+        self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+        self._hosts: dict[str, list[torch.Tensor]] = {}
+        if self.on_cuda:
+            self._hosts = {
+                "fired": [torch.empty_like(self.fired, device="cpu").pin_memory() for _ in "ab"],
+                "scores": [torch.empty_like(self.scores, device="cpu").pin_memory() for _ in "ab"],
+            }
+        self._turn = 0
+
+    def scores_at(self, layer: int, site: str) -> torch.Tensor:
+        """[sequences, columns] view of one site's scores (row stride: every site's)."""
+        return self.scores[:, layer, SITES.index(site)]
+
+    def copy(self, num_tokens: int, num_seqs: int, fired: bool, scores: bool) -> dict:
+        """Start copying this step's `fired[:num_tokens]` and `scores[:num_seqs]` (those
+        asked for) to the host, behind the step; returns the host tensors (on CPU, copies
+        taken now: the next step would overwrite the buffers)."""
+        out = {}
+        if not self.on_cuda:
+            if fired:
+                out["fired"] = self.fired[:num_tokens].clone()
+            if scores:
+                out["scores"] = self.scores[:num_seqs].clone()
+            return out
+        self._turn ^= 1
+        if fired:
+            host = self._hosts["fired"][self._turn][:num_tokens]
+            host.copy_(self.fired[:num_tokens], non_blocking=True)
+            out["fired"] = host
+        if scores:
+            host = self._hosts["scores"][self._turn][:num_seqs]
+            host.copy_(self.scores[:num_seqs], non_blocking=True)
+            out["scores"] = host
+        return out
 
 
 @dataclass
@@ -40,20 +108,52 @@ class StepInterventions:
     capture_index: dict[SiteKey, torch.Tensor] = field(default_factory=dict)  # rows to copy
     # per (layer, site): (request id, positions) of the copied rows, in row order
     capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = field(default_factory=dict)
-    readout_index: dict[SiteKey, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )  # rows [n], probes [n, H]
-    readout_meta: dict[SiteKey, list[tuple[int, ProbeRead]]] = field(default_factory=dict)
+    # (request index, its RequestInterventions) of each request whose probes read this step;
+    # `probe_flat` there: each probe's offset in a request's row of `Readback.scores`
+    readers: list[tuple[int, Any]] = field(default_factory=list)
+    # (request index, the decode content planned) of each request whose gates may fire
+    gated: list[tuple[int, RowContent]] = field(default_factory=list)
     # rows [P], targets [P, H], alpha [P] of the patches that land in this step
     patch_index: dict[SiteKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
     view_sites: set[SiteKey] = field(default_factory=set)
+    # where `probe_values` finds the readers' scores: (request rows, flat offsets), or None
+    read_index: tuple[np.ndarray, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
+        if self.readers and self.read_index is None:
+            counts = [len(iv.probe_flat) for _, iv in self.readers]
+            rows = np.repeat(np.fromiter((i for i, _ in self.readers), np.int64), counts)
+            self.read_index = (rows, np.concatenate([iv.probe_flat for _, iv in self.readers]))
         self.captured: dict[SiteKey, torch.Tensor] = {}
-        self.scores: dict[SiteKey, torch.Tensor] = {}
         self.view: dict[SiteKey, torch.Tensor] = {}
+        self.readback: Readback | None = None
+        # Host results, set by `collect` once the step's copies have landed: gate bits per
+        # token [T] int32, and the scores [requests, layers, sites, columns] float32.
+        self.fired: torch.Tensor | None = None
+        self.scores: np.ndarray | None = None
+
+    @property
+    def reads_scores(self) -> bool:
+        return bool(self.readers)
+
+    @property
+    def reads_fired(self) -> bool:
+        return bool(self.gated)
+
+    def collect(self, host: dict, num_tokens: int) -> None:
+        """Take the step's copied read-back (`Readback.copy`'s result, landed) as results."""
+        fired = host.get("fired")
+        self.fired = fired if fired is not None else torch.zeros(num_tokens, dtype=torch.int32)
+        scores = host.get("scores")
+        self.scores = scores.numpy() if scores is not None else None
+
+    def probe_values(self) -> list[float]:
+        """Every reader's probe scores, readers in order and each one's probes in order."""
+        assert self.scores is not None
+        rows, cols = self.read_index
+        return self.scores.reshape(len(self.scores), -1)[rows, cols].tolist()
 
     def touches(self, layer: int, site: str) -> bool:
         """Whether anything happens at (layer, site) this step (else the model may fuse
@@ -62,56 +162,81 @@ class StepInterventions:
         return key in self.kernel_sites or self._reads_or_patches(key)
 
     def _reads_or_patches(self, key: SiteKey) -> bool:
-        """Whether something at `key` reads the residual (capture, read-out, a consumer's
-        view) or replaces rows of it (a patch)."""
-        return (
-            key in self.capture_index
-            or key in self.readout_index
-            or key in self.patch_index
-            or key in self.view_sites
-        )
+        """Whether something besides the fused op reads the residual at `key` (a capture,
+        a consumer's view) or replaces rows of it (a patch)."""
+        return key in self.capture_index or key in self.patch_index or key in self.view_sites
 
-    def bind(
-        self, rows: torch.Tensor, latched: torch.Tensor, decode: torch.Tensor, gain: torch.Tensor
-    ) -> None:
-        """The device views of `steer_tokens` in the uploaded step batch (each [T])."""
-        self.rows, self.latched, self.decode, self.dyn_gain = rows, latched, decode, gain
-        self.fired = torch.zeros_like(latched)  # [T] int32: gate bits that fired
+    def bind(self, readback: Readback, *views: torch.Tensor) -> None:
+        """The device views of `steer_tokens` in the uploaded step batch (each [T], in
+        `SteerTokens` field order), and the buffers the fused op writes for the host."""
+        self.rows, self.latched, self.decode, self.dyn_gain, self.read_rows, self.carry = views
+        self.readback = readback
+        self._fired = readback.fired[: len(self.rows)]  # [T]: ORed into by the gates
 
-    def apply(
-        self, layer: int, site: str, h: torch.Tensor, add: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """capture → read-outs and monitor → patch → steer at one site; [T, H].
+    def reset_fired(self) -> None:
+        """Zero the step's fired bits before the forward (the gates OR theirs in)."""
+        self._fired.zero_()
 
-        Probes (read-outs, the monitor, gates) read the pristine `h`; steering adds onto the
-        patched residual. `add`: the residual add before the site, still to do (the residual
-        is `h + add`); the steer op does it itself when it is all that runs here.
+    def apply(self, layer: int, site: str, h: torch.Tensor) -> torch.Tensor:
+        """capture → patch → the fused op (read-outs, monitor, gates, steering) at one
+        site; [T, H]. Probes (read-outs, the monitor, gates) read the pristine `h`;
+        steering adds onto the patched residual."""
+        return self.apply_and_norm(layer, site, h)[0]
+
+    def apply_and_norm(
+        self,
+        layer: int,
+        site: str,
+        h: torch.Tensor,
+        add: torch.Tensor | None = None,
+        norm: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`apply`, with the residual add before the site and the norm after it folded in
+        where they can be: returns (the residual after the site, `norm` of it or None).
+
+        `add`: the residual add still to do (the residual is `h + add`); `norm`: an
+        `RMSNorm` whose output the caller needs next (the next layer's input norm). When
+        the fused op is all that runs here, it does both; when nothing runs here, the
+        add and the norm are one fused kernel, as on the plain path.
         """
         key = (layer, site)
-        if add is not None and (key not in self.kernel_sites or self._reads_or_patches(key)):
+        runs_op, other = key in self.kernel_sites, self._reads_or_patches(key)
+        fused = runs_op and not other  # the op alone: it takes the add and the norm
+        if add is not None and not fused:
+            if norm is not None and not (runs_op or other):
+                normed, h = norm(add, h)  # nothing at this site: the plain fused add + norm
+                return h, normed
             h, add = h + add, None
         idx = self.capture_index.get(key)
         if idx is not None:
             self.captured[key] = h.index_select(0, idx)
         if key in self.view_sites:
             self.view[key] = h  # the op below is out of place, so `h` stays pristine
-        read = self.readout_index.get(key)
-        if read is not None:
-            rows, probes = read
-            self.scores[key] = (h.index_select(0, rows).float() * probes).sum(-1)
         patched = None
         if key in self.patch_index:
             patched = patch(h, *self.patch_index[key])
-        if key in self.kernel_sites:
-            return steer(
-                h,
-                self.rows,
-                self.decode,
-                dyn_gain=self.dyn_gain,
-                latched=self.latched,
-                fired=self.fired,
-                base=patched,
-                add=add,
-                **self.tables.site_args(layer, site),
-            )
-        return h if patched is None else patched
+        if not runs_op:
+            out = h if patched is None else patched
+            return out, (norm(out) if norm is not None else None)
+        result = steer(
+            h,
+            self.rows,
+            self.decode,
+            dyn_gain=self.dyn_gain,
+            latched=self.latched,
+            fired=self._fired,
+            base=patched,
+            add=add,
+            read_rows=self.read_rows,
+            scores=self.readback.scores_at(layer, site),
+            carry=self.carry,
+            last_fired=self.readback.last_fired,
+            norm_weight=norm.weight if norm is not None and fused else None,
+            eps=norm.eps if norm is not None else 0.0,
+            **self.tables.site_args(layer, site),
+        )
+        if norm is None:
+            return result, None
+        if fused:
+            return result
+        return result, norm(result)

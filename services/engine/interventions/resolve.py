@@ -7,6 +7,7 @@ Resolved vectors are float32 on the CPU; the tables move them to the device.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,7 +57,7 @@ class RowContent:
     def is_empty(self) -> bool:
         return not self.vectors and not self.gates
 
-    @property
+    @functools.cached_property
     def latching_bits(self) -> int:
         """The bits of this row's `rest_of_request` gates."""
         return sum(1 << g.bit for g in self.gates.values() if g.latch)

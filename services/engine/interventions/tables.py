@@ -7,6 +7,11 @@ step carries one row index per token and one kernel launch per site serves the w
 batch however many distinct configs it holds. Every table is allocated at its full
 capacity when the engine starts and only ever written in place: a CUDA graph captured
 over them reads whatever rows hold at each replay.
+
+Read-out probes (a request's `readouts` and `abort_when` conditions) live in a bank per
+(layer, site) of `probe_columns` float32 columns, shared by digest like rows; the fused op
+at a site scores the tokens that read out against its bank's live columns (a prefix: the
+count is one past the highest column in use).
 """
 
 from __future__ import annotations
@@ -83,7 +88,10 @@ class SteeringTables:
         dtype: torch.dtype,
         per_request_rows: int,
         dynamic_rows: int,
+        probe_columns: int = 8,
     ):
+        if probe_columns < 1 or probe_columns & (probe_columns - 1):
+            raise ValueError(f"probe_columns must be a power of two, got {probe_columns}")
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.device, self.dtype = device, dtype
         self.num_rows = NUM_FIXED_ROWS + per_request_rows + dynamic_rows
@@ -104,6 +112,10 @@ class SteeringTables:
         self.dyn_vec = table(L, H)
         self.mon_probe = table(L, H)
         self.mon_params = table(L, 4, dtype=f32)
+        self.probe_columns = probe_columns
+        self.probe_bank = table(L, probe_columns, H, dtype=f32)  # site -> [L, C, H]
+        self.probe_count = table(L, dtype=torch.int32)  # site -> [L]: live columns
+        self.probe_pools: dict[SiteKey, RowPool] = {}
         # How many installed things read each (layer, site): the kernel runs where > 0.
         self.site_use: Counter[SiteKey] = Counter()
         self._slabs: list[torch.Tensor] = []  # pinned staging for `_upload`, made on first use
@@ -125,15 +137,16 @@ class SteeringTables:
         if self.device.type != "cuda":
             dst.copy_(src)
             return
-        if not self._slabs:
-            n = self.num_layers * self.hidden_size
-            self._slabs = [torch.empty(n, dtype=self.dtype, pin_memory=True) for _ in range(8)]
+        if not self._slabs:  # bytes: a row of every layer, or a float32 probe
+            n = self.num_layers * self.hidden_size * 4
+            self._slabs = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
             self._slab_done = [None] * len(self._slabs)
         i = self._slab_turn = (self._slab_turn + 1) % len(self._slabs)
         done = self._slab_done[i]
         if done is not None:
             done.synchronize()
-        slab = self._slabs[i][: src.numel()].view(src.shape)
+        nbytes = src.numel() * dst.element_size()
+        slab = self._slabs[i][:nbytes].view(dst.dtype).view(src.shape)
         slab.copy_(src)
         dst.copy_(slab, non_blocking=True)
         self._slab_done[i] = event = torch.cuda.Event()
@@ -213,6 +226,48 @@ class SteeringTables:
         }
         self.site_use[key] += 1
 
+    # -- read-out probes ------------------------------------------------------------------
+
+    def probe_room(self, wanted: dict[SiteKey, set[bytes]]) -> bool:
+        """Whether every site's bank can take the probes (by digest) it does not hold yet."""
+        for key, digests in wanted.items():
+            pool = self.probe_pools.get(key)
+            if pool is None:
+                if len(digests) > self.probe_columns:
+                    return False
+                continue
+            if sum(pool.lookup(d) is None for d in digests) > len(pool.free):
+                return False
+        return True
+
+    def acquire_probe(self, key: SiteKey, digest: bytes, probe: torch.Tensor) -> int:
+        """The bank column holding `probe` at `key` (shared by digest); `probe_room` first."""
+        pool = self.probe_pools.get(key)
+        if pool is None:
+            pool = self.probe_pools[key] = RowPool(0, self.probe_columns, share=True)
+        col = pool.lookup(digest)
+        if col is not None:
+            pool.ref(col)
+            return col
+        col = pool.acquire(digest)
+        assert col is not None, "checked by probe_room"
+        layer, site = key
+        self._upload(self.probe_bank[site][layer, col], probe.detach().float().cpu())
+        self.site_use[key] += 1
+        self._set_probe_count(key)
+        return col
+
+    def release_probe(self, key: SiteKey, col: int) -> None:
+        pool = self.probe_pools[key]
+        if pool.release(col):
+            self.site_use[key] -= 1
+            self._set_probe_count(key)
+
+    def _set_probe_count(self, key: SiteKey) -> None:
+        layer, site = key
+        refs = self.probe_pools[key].refs
+        self.probe_count[site][layer] = max(refs) + 1 if refs else 0
+
     # -- what the kernel reads ------------------------------------------------------------
 
     def active_sites(self) -> set[SiteKey]:
@@ -229,4 +284,6 @@ class SteeringTables:
             "gate_probe": self.gate_probe[site][layer],
             "gate_vec": self.gate_vec[site][layer],
             "gate_params": self.gate_params[site][layer],
+            "probe_bank": self.probe_bank[site][layer],
+            "probe_count": self.probe_count[site][layer : layer + 1],
         }

@@ -103,27 +103,42 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ctx)
 
-    def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, meta: Any, iv: Any = None
-    ) -> torch.Tensor:
-        # `iv` (a StepInterventions, or None when nothing intervenes this step) captures,
-        # probes and steers the residual at each site.
+    def post_block_only(self, iv: Any) -> bool:
+        """Whether nothing intervenes at this layer's pre_attn and post_attn this step (so
+        its input norm may be computed by the layer before)."""
         L = self.layer_idx
-        if iv is not None and not (iv.touches(L, "pre_attn") or iv.touches(L, "post_attn")):
-            # Only post_block intervenes: the mid-block add is fused into its norm, and the
-            # last add into the site's op.
-            a = self.self_attn(positions, self.input_layernorm(h), meta)
+        return not (iv.touches(L, "pre_attn") or iv.touches(L, "post_attn"))
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        meta: Any,
+        iv: Any,
+        normed: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer with `iv` (a StepInterventions) capturing, probing and steering the
+        residual at each site: returns (the residual after it, `next_norm` of it or None).
+
+        `normed`: this layer's input norm of `h`, when the layer before computed it;
+        `next_norm`: the norm the caller applies next, computed here with the last site.
+        """
+        L = self.layer_idx
+        if self.post_block_only(iv):
+            # The mid-block add is fused into its norm, and the last add and the next norm
+            # into the site's op.
+            if normed is None:
+                normed = self.input_layernorm(h)
+            a = self.self_attn(positions, normed, meta)
             normed, h = self.post_attention_layernorm(a, h)
-            return iv.apply(L, "post_block", h, add=self.mlp(normed))  # blocks.L.hook_resid_post
-        if iv is not None:
-            h = iv.apply(L, "pre_attn", h)  # blocks.L.hook_resid_pre
+            # blocks.L.hook_resid_post
+            return iv.apply_and_norm(L, "post_block", h, add=self.mlp(normed), norm=next_norm)
+        h = iv.apply(L, "pre_attn", h)  # blocks.L.hook_resid_pre
         h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        if iv is not None:
-            h = iv.apply(L, "post_attn", h)  # blocks.L.hook_resid_mid
+        h = iv.apply(L, "post_attn", h)  # blocks.L.hook_resid_mid
         h = h + self.mlp(self.post_attention_layernorm(h))
-        if iv is not None:
-            h = iv.apply(L, "post_block", h)  # blocks.L.hook_resid_post
-        return h
+        return iv.apply_and_norm(L, "post_block", h, norm=next_norm)  # blocks.L.hook_resid_post
 
     def forward_fused(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: Any
@@ -189,8 +204,21 @@ class LlamaFamilyForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, H]: the residual stream (final-normed on the last stage)
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_states
         if interventions is not None:
-            for layer in self.layers.values():
-                h = layer(positions, h, meta, interventions)
+            # Each layer also computes the norm after it where nothing intervenes in
+            # between: the next layer's input norm, or after the last, the final norm.
+            layers = list(self.layers.values())
+            normed = None
+            for j, layer in enumerate(layers):
+                if j + 1 < len(layers):
+                    after = layers[j + 1]
+                    next_norm = (
+                        after.input_layernorm if after.post_block_only(interventions) else None
+                    )
+                else:
+                    next_norm = self.norm  # None on a stage before the last
+                h, normed = layer(positions, h, meta, interventions, normed, next_norm)
+            if normed is not None and self.norm is not None:
+                return normed
             return self.norm(h) if self.norm is not None else h
         # Nothing intervenes: each residual add is fused into the next norm (same rounding).
         residual = None
