@@ -41,6 +41,7 @@ from throughput import DTYPES, hf_generate, load_hf, sync
 from services.engine import LLM, SamplingParams
 from services.engine.interventions.actions import SteeringMonitorUpdate
 from services.engine.model.config import load_model_config
+from services.engine.model_runner import PendingStep
 
 CAPTURE = {"sites": {"post_block": "all"}, "positions": "last_prompt"}
 
@@ -183,7 +184,7 @@ def decode_rates(
     llm: LLM, prompts: list[list[int]], configs: dict[str, list[SamplingParams]], steps: int,
     repeats: int, device: torch.device,
     actions: dict[str, tuple[list[Any], list[Any]]] | None = None,
-) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:  # fmt: skip
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:  # fmt: skip
     """Steady-state decode tok/s of each config: every request prefilled and a few steps
     warm, then `steps` timed engine steps of the whole batch (no request ends in them),
     `repeats` times, round-robin over the configs. Two rates: the batch over the median
@@ -191,12 +192,26 @@ def decode_rates(
     pass's (which a hiccup in every pass drags down). Also, on CUDA, the GPU
     milliseconds of one replay of the graph the config's steps ran (plain or steered),
     timed back to back by CUDA events on that config's last step batch: the device's cost
-    alone, free of the host's jitter. `actions`: engine actions submitted before a config
-    runs and after it (monitors)."""
+    alone, free of the host's jitter. And the host's own milliseconds per step: the step's
+    wall time less the time it waited for the device (`PendingStep.result`), median over
+    all steps. With overlapped steps a step takes the larger of the two. `actions`:
+    engine actions submitted before a config runs and after it (monitors)."""
+    waited = [0.0]
+    result = PendingStep.result
+
+    def timed_result(self: PendingStep) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return result(self)
+        finally:
+            waited[0] += time.perf_counter() - t0
+
     engine = llm.engine
     best = dict.fromkeys(configs, 0.0)
     step_s: dict[str, list[float]] = {name: [] for name in configs}
+    host_s: dict[str, list[float]] = {name: [] for name in configs}
     gpu_ms: dict[str, float] = {}
+    PendingStep.result = timed_result
     actions = actions or {}
     for _ in range(repeats):
         for name, params in configs.items():
@@ -213,9 +228,11 @@ def decode_rates(
             sync(device)
             start = last = time.perf_counter()
             for _ in range(steps):
+                waited[0] = 0.0
                 engine.step()
                 now = time.perf_counter()
                 step_s[name].append(now - last)
+                host_s[name].append(now - last - waited[0])
                 last = now
             sync(device)
             best[name] = max(best[name], len(prompts) * steps / (time.perf_counter() - start))
@@ -228,8 +245,10 @@ def decode_rates(
                 pass
             for action in after:
                 engine.submit_action(action)
+    PendingStep.result = result
     median = {name: len(prompts) / statistics.median(ts) for name, ts in step_s.items()}
-    return median, best, gpu_ms
+    host_ms = {name: 1e3 * statistics.median(ts) for name, ts in host_s.items()}
+    return median, best, gpu_ms, host_ms
 
 
 def replay_ms(runner: Any, batch: int, steered: bool, n: int = 50) -> float | None:
@@ -499,7 +518,7 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         extra = read_back_configs(vectors, layers, L, args.scale, n_out)
         decode_configs |= {name: params for name, (params, _, _) in extra.items()}
         actions = {name: (before, after) for name, (_, before, after) in extra.items()}
-        rates, best, gpu_ms = decode_rates(
+        rates, best, gpu_ms, host_ms = decode_rates(
             llm, work, decode_configs, args.decode_steps, args.repeats, device, actions
         )
         plain_rate, plain_best = rates["coxswain unsteered"], best["coxswain unsteered"]
@@ -509,11 +528,11 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
             " best pass: its tok/s):"
         )
         gpu_head = "  GPU ms/replay  of plain" if gpu_ms else ""
-        print(f"{'config':<26}{'tok/s':>10}  of plain  best pass  of plain{gpu_head}")
+        print(f"{'config':<26}{'tok/s':>10}  of plain  best pass  of plain  host ms/step{gpu_head}")
         for name, rate in rates.items():
             line = (
                 f"{name:<26}{rate:>10.1f}  {rate / plain_rate:6.1%}  {best[name]:9.1f}  "
-                f"{best[name] / plain_best:6.1%}"
+                f"{best[name] / plain_best:6.1%}  {host_ms[name]:12.3f}"
             )
             if name in gpu_ms:  # a time: plain's over this one is the fraction of plain's rate
                 ms, plain_ms = gpu_ms[name], gpu_ms["coxswain unsteered"]
