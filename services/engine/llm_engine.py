@@ -355,7 +355,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs + self._drain()
-        plan = self.interventions.plan(sched)
+        plan = self.interventions.plan_step(sched)
         if self.adapters is not None:
             self._plan_adapters(sched)
         adapted = self.adapters is not None and self.adapters.step_rows is not None
@@ -375,7 +375,7 @@ class LLMEngine:
         result = pending.result()
         if self.sync is not None:
             result = self.sync.finish_step(self, result, plan)
-        report = self.interventions.after_forward(sched, plan) if plan is not None else None
+        report = self.interventions.observe(sched, plan) if plan is not None else None
         self.scheduler.advance(sched)
         return outputs + self._accept(sched, result, report)
 
@@ -400,7 +400,7 @@ class LLMEngine:
     def _finish(self, sched: Any, pending: Any, plan: Any) -> list[RequestDelta]:
         """Accept an overlapped step: its tokens, and what its interventions read back."""
         result = pending.result()
-        report = self.interventions.after_forward(sched, plan) if plan is not None else None
+        report = self.interventions.observe(sched, plan) if plan is not None else None
         return self._accept(sched, result, report)
 
     def _hold_places(self, sched: Any) -> None:

@@ -250,10 +250,10 @@ def test_steady_decode_reuses_its_plan_and_gets_what_replanning_gets(model_dir, 
     in between, reuses that step's plan; a run that replans every step gives the same."""
     cached, snap = _steady(model_dir)
     assert snap["cached_plans"] >= 8
-    from services.engine.interventions.manager import InterventionManager
+    from services.engine.interventions.plan_step import StepPlanner
 
     forgets = property(lambda self: None, lambda self, value: None)  # a cache that never holds
-    monkeypatch.setattr(InterventionManager, "_plan_cache", forgets, raising=False)
+    monkeypatch.setattr(StepPlanner, "_plan_cache", forgets, raising=False)
     replanned, snap2 = _steady(model_dir)
     assert snap2["cached_plans"] == 0
     _same(cached, replanned)

@@ -2,10 +2,12 @@
 
 `InterventionManager` is what `LLMEngine` talks to. It resolves each request's spec when
 the request is added (bad input fails there), gives admitted requests their table rows
-(a request waits while its pool is full: it never runs unsteered), applies controller
-actions at the top of each step, plans each step's per-token tensors, and after the
-forward pass routes captures to sinks, read-outs to outputs, gate firings to latches,
-and the step view to sync consumers.
+and probe columns (a request waits while a pool is full: it never runs unsteered), and
+applies controller actions at the top of each step. The step itself has two halves of
+their own: `StepPlanner` (`plan_step.py`, pure: the per-token indices of a step from the
+schedule and this state) and `StepObserver` (`observer.py`: after the forward pass,
+captures to sinks, read-outs to outputs, gate firings to latches, the step view to sync
+consumers).
 
 It also keeps every request's KV signature current: the prefill signature (global
 prefill steering + the request's prefill row) and the decode signature (global decode
@@ -47,11 +49,11 @@ from services.engine.interventions.actions import (
 from services.engine.interventions.capture import CaptureSink, InlineCaptureSink
 from services.engine.interventions.consumers import (
     ConsumerTiming,
-    RequestSpan,
-    StepView,
     SyncConsumer,
 )
-from services.engine.interventions.planner import SteerTokens, StepInterventions
+from services.engine.interventions.observer import StepObserver, StepReport
+from services.engine.interventions.plan_step import StepPlanner
+from services.engine.interventions.planner import StepInterventions
 from services.engine.interventions.resolve import (
     ProbeRead,
     ResolvedCapture,
@@ -77,7 +79,7 @@ from services.engine.interventions.tables import (
     SteeringTables,
 )
 from services.engine.interventions.vectors import VectorRegistry
-from services.engine.scheduler import ScheduledSeq, SchedulerOutput
+from services.engine.scheduler import SchedulerOutput
 from services.engine.sequence import RequestGroup, Sequence
 
 log = logging.getLogger(__name__)
@@ -143,14 +145,6 @@ class RequestInterventions:
 
 
 @dataclass
-class StepReport:
-    """What the forward pass observed, per scheduled sequence (aligned with the schedule)."""
-
-    readouts: list[dict[str, float] | None]
-    aborts: list[str | None]  # the name of the abort_when probe that fired, if any
-
-
-@dataclass
 class _Counters:
     applied: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
@@ -195,9 +189,11 @@ class InterventionManager:
         self.queue = ActionQueue(action_queue_size)
         self.counters = _Counters()
         self.sink: CaptureSink = InlineCaptureSink()
-        # name -> (consumer, the (layer, site)s it reads), checked once when added
-        self.consumers: dict[str, tuple[SyncConsumer, frozenset[SiteKey]]] = {}
-        self.consumer_timing: dict[str, ConsumerTiming] = {}
+        # The step's two halves: planning it (pure) and observing what it read back.
+        self.planner = StepPlanner(self.tables, device)
+        self.observer = StepObserver(
+            lambda: self.sink, self.queue, lambda: self.planner.steps, self.planner.invalidate
+        )
         self.requests: dict[str, RequestGroup] = {}  # unfinished requests, by id
         self.patch_sources: Any = None  # a patch-source store: run sources, capture runs
         self.model_name = ""  # recorded in the manifests of runs this engine writes
@@ -211,20 +207,8 @@ class InterventionManager:
         self.dynamic_gain = 1.0
         self.num_waits_for_rows = 0  # admissions deferred because a pool was full
         self.num_waits_for_probes = 0  # ... because a site's probe bank was full
-        self.num_probe_aborts = 0
-        # Declarative gates, per (layer, site): decode tokens they were evaluated on, and
-        # how many of those they fired on (the dashboard's firing rates).
-        self.gate_tokens: Counter[SiteKey] = Counter()
-        self.gate_fired: Counter[SiteKey] = Counter()
-        self.steps = 0
         self._prefill_env = b""
         self._decode_env = b""
-        # Steady decode replans nothing: the last all-decode step's plan, by (epoch, the
-        # sequences in batch order). The epoch moves whenever something a plan reads
-        # changes: an admission, a release, an applied action, a latch, a gate change.
-        self._epoch = 0
-        self._plan_cache: tuple[tuple, tuple] | None = None
-        self.num_cached_plans = 0  # steps planned from it
 
     # -- requests -------------------------------------------------------------------------
 
@@ -321,7 +305,7 @@ class InterventionManager:
     def try_admit(self, seq: Sequence) -> bool:
         """Give the request its table rows and probe columns; False (it waits) while the
         per-request pool or a probe bank it reads is full."""
-        self._epoch += 1
+        self.planner.invalidate()
         iv = seq.group.interventions
         if iv is None or iv.has_rows or (iv.steering is None and not iv.probes):
             return True
@@ -370,7 +354,7 @@ class InterventionManager:
 
     def release(self, group: RequestGroup) -> None:
         """Return a finished request's rows and forget its captures."""
-        self._epoch += 1
+        self.planner.invalidate()
         self.requests.pop(group.request_id, None)
         self.sink.drop(group.request_id)
         iv = group.interventions
@@ -458,7 +442,7 @@ class InterventionManager:
         applies or is counted rejected. A parallel replica's ranks all apply the list the
         driver drained."""
         for source, action in self.queue.drain() if items is None else items:
-            self._epoch += 1
+            self.planner.invalidate()
             try:
                 self._apply(action)
             except Exception as exc:  # a bad action is rejected, never fatal to the step
@@ -612,17 +596,19 @@ class InterventionManager:
                 "sync consumer sees the driver stage's layers only "
                 f"({self.local_layers.start}..{self.local_layers.stop - 1})"
             )
-        self.consumers[name] = (consumer, keys)
-        self.consumer_timing[name] = ConsumerTiming()
+        self.observer.consumers[name] = (consumer, keys)
+        self.observer.consumer_timing[name] = ConsumerTiming()
+        self.planner.invalidate()
 
     def remove_consumer(self, name: str) -> None:
         self.consumers.pop(name, None)
-        self.consumer_timing.pop(name, None)
+        self.observer.consumer_timing.pop(name, None)
+        self.planner.invalidate()
 
     # -- KV signatures ----------------------------------------------------------------------
 
     def _env_changed(self) -> None:
-        self._epoch += 1
+        self.planner.invalidate()
         t = self.tables
         g = self.global_rows
         self._prefill_env = (
@@ -660,6 +646,19 @@ class InterventionManager:
 
     # -- the step -------------------------------------------------------------------------
 
+    @property
+    def consumers(self) -> dict[str, tuple[SyncConsumer, frozenset[SiteKey]]]:
+        return self.observer.consumers
+
+    def plan_step(self, sched: SchedulerOutput) -> StepInterventions | None:
+        """This step's intervention indices (`StepPlanner.plan` over the current state)."""
+        obs = self.observer
+        return self.planner.plan(sched, self.dynamic_gain, bool(obs.consumers), obs.view_sites())
+
+    def observe(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport | None:
+        """After the step: route what it read back (`StepObserver.observe`)."""
+        return self.observer.observe(sched, step)
+
     def reads_nothing_back(self) -> bool:
         """No step needs its results on the host before the next is planned: no consumer,
         and no live request with a capture or patches. Steering, the dynamic tier and
@@ -675,268 +674,6 @@ class InterventionManager:
                 return False
         return True
 
-    def plan(self, sched: SchedulerOutput) -> StepInterventions | None:
-        """Per-token tensors for this step, or None when nothing intervenes in it."""
-        self.steps += 1
-        decode_only = True
-        for s in sched.scheduled:
-            seq = s.seq
-            seq.record_kv_sigs(s.start, s.num_tokens)
-            decode_only = decode_only and s.num_tokens == 1 and s.start >= seq.num_prompt_tokens
-        kernel_sites = self.tables.active_sites()
-        key = None
-        if decode_only and kernel_sites and not self.consumers:
-            key = (self._epoch, *(s.seq.seq_id for s in sched.scheduled))
-            cached = self._plan_cache
-            if cached is not None and cached[0] == key:
-                self.num_cached_plans += 1
-                steer_tokens, readers, gated, read_index = cached[1]
-                return StepInterventions(
-                    self.tables,
-                    kernel_sites,
-                    steer_tokens,
-                    readers=readers,
-                    gated=gated,
-                    read_index=read_index,
-                )
-        capture_rows: dict[SiteKey, list[int]] = {}
-        capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = {}
-        readers: list[tuple[int, RequestInterventions]] = []
-        gated: list[tuple[int, RowContent]] = []
-        patch_rows: dict[SiteKey, list[tuple[int, torch.Tensor, float]]] = {}
-        row0 = 0
-        for i, s in enumerate(sched.scheduled):
-            iv = s.seq.group.interventions
-            if iv is None:
-                row0 += s.num_tokens
-                continue
-            if iv.capture is not None:
-                self._plan_capture(row0, s, iv, capture_rows, capture_meta)
-            if iv.probes and s.samples:  # probes read the residual a token is sampled from
-                readers.append((i, iv))
-            if iv.decode_content.gates:
-                gated.append((i, iv.decode_content))
-            if iv.patches is not None:
-                end = s.start + s.num_tokens
-                for key, entries in iv.patches.by_site.items():
-                    for pos, target, alpha in entries:
-                        if s.start <= pos < end:  # row = token offset + (position − start)
-                            patch_rows.setdefault(key, []).append(
-                                (row0 + pos - s.start, target, alpha)
-                            )
-            row0 += s.num_tokens
-        if not (kernel_sites or self.consumers or capture_rows or patch_rows):
-            return None
-        # only the kernel reads them, so a step without kernel sites plans none
-        steer_tokens = self._plan_tokens(sched, bool(readers)) if kernel_sites else None
-
-        def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
-
-        plan = StepInterventions(
-            tables=self.tables,
-            kernel_sites=kernel_sites,
-            steer_tokens=steer_tokens,
-            capture_index={k: tensor(v, torch.long) for k, v in capture_rows.items()},
-            capture_meta=capture_meta,
-            readers=readers,
-            gated=gated,
-            patch_index={
-                k: (
-                    tensor([r for r, _, _ in v], torch.long),
-                    torch.stack([t for _, t, _ in v]),
-                    tensor([a for _, _, a in v], torch.float32),
-                )
-                for k, v in patch_rows.items()
-            },
-            view_sites={k for _, keys in self.consumers.values() for k in keys},
-        )
-        # Cached unless planning itself moved the epoch (a gate met a sequence).
-        if key is not None and not (capture_rows or patch_rows) and key[0] == self._epoch:
-            self._plan_cache = (key, (steer_tokens, readers, gated, plan.read_index))
-        return plan
-
-    def _plan_tokens(self, sched: SchedulerOutput, reads: bool) -> SteerTokens:
-        """Each token's steering row, latched bits, decode flag, dynamic gain, read-out row
-        and latch carry (`reads`: some request reads out this step)."""
-        rows: list[int] = []
-        latched: list[int] = []
-        decode: list[float] = []
-        gain: list[float] = []
-        carry: list[bool] = []
-        read_rows = np.full(sched.num_tokens, -1, np.int32) if reads else None
-        dyn = self.dynamic_gain if self.tables.dynamic else 0.0
-        row0 = 0
-        for i, s in enumerate(sched.scheduled):
-            seq, n = s.seq, s.num_tokens
-            iv = seq.group.interventions
-            n_pre = min(n, seq.num_prompt_tokens - s.start)
-            if n_pre > 0:  # prompt tokens (a prefill chunk, or a recompute)
-                rows += [iv.prefill_row if iv else ZERO_ROW] * n_pre
-                latched += [0] * n_pre
-                decode += [0.0] * n_pre
-                gain += [0.0] * n_pre
-                carry += [False] * n_pre
-            n_dec = n - max(n_pre, 0)
-            if n_dec > 0:
-                rows += [iv.effective_decode_row if iv else ZERO_ROW] * n_dec
-                latched += [seq.latched] * n_dec
-                decode += [1.0] * n_dec
-                gain += [dyn * iv.dyn_gain if iv else dyn] * n_dec
-                # The bits the step before fired (still on the device if it is in flight)
-                # latch only under the gates they fired for.
-                content = iv.decode_content if iv is not None else None
-                carry += [content is not None and seq.gate_content is content] * n_dec
-                gates = content if content is not None and content.gates else None
-                if seq.gate_content is not gates:
-                    seq.gate_content = gates
-                    self._epoch += 1  # the next step's carry differs from this one's
-            if read_rows is not None and iv is not None and iv.probes and s.samples:
-                read_rows[row0 + n - 1] = i
-            row0 += n
-        return SteerTokens(
-            rows=np.asarray(rows, np.int32),
-            latched=np.asarray(latched, np.int32),
-            decode=np.asarray(decode, np.float32),
-            gain=np.asarray(gain, np.float32),
-            read_rows=read_rows if read_rows is not None else np.full(row0, -1, np.int32),
-            carry=np.asarray(carry, np.bool_),
-        )
-
-    @staticmethod
-    def _plan_capture(
-        row0: int,
-        s: ScheduledSeq,
-        iv: RequestInterventions,
-        capture_rows: dict[SiteKey, list[int]],
-        capture_meta: dict[SiteKey, list[tuple[str, list[int]]]],
-    ) -> None:
-        """Rows this sequence's captures copy, at each (layer, site)."""
-        seq, n = s.seq, s.num_tokens
-        assert iv.capture is not None
-        if seq.index != 0:
-            return
-        P = seq.num_prompt_tokens
-        positions = [p for p in range(s.start, s.start + n) if iv.capture.wants(p, P)]
-        if positions:
-            rows = [row0 + p - s.start for p in positions]
-            for key in iv.capture.sites:
-                capture_rows.setdefault(key, []).extend(rows)
-                capture_meta.setdefault(key, []).append((seq.group.request_id, positions))
-
-    def after_forward(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport:
-        """Route this step's captures, read-outs and gate firings; returns the read-outs."""
-        if not (step.capture_meta or step.readers or step.gated or self.consumers):
-            return None  # steering alone: nothing comes back
-        n = len(sched.scheduled)
-        report = StepReport([None] * n, [None] * n)
-        spans = self._spans(sched)
-        for key, rows in step.captured.items():
-            rows = rows.float().cpu()  # [sum of positions, H], in capture_meta's order
-            name, at = site_key(*key), 0
-            for request_id, positions in step.capture_meta[key]:
-                self.sink.write(request_id, name, positions, rows[at : at + len(positions)])
-                at += len(positions)
-        if step.readers:
-            values, at = step.probe_values(), 0
-            for i, iv in step.readers:
-                k, end = len(iv.readouts), at + len(iv.probes)
-                if k:
-                    reads = values[at : at + k]
-                    report.readouts[i] = dict(zip(iv.readout_names, reads, strict=True))
-                for probe, value in zip(iv.probes[k:], values[at + k : end], strict=True):
-                    if probe.fires(value):
-                        report.aborts[i] = probe.name
-                        self.num_probe_aborts += 1
-                        break
-                at = end
-        if step.gated:
-            self._latch(sched, step, spans)
-        if self.consumers:
-            self._run_consumers(sched, step, spans)
-        return report
-
-    def _latch(
-        self, sched: SchedulerOutput, step: StepInterventions, spans: list[tuple[int, int]]
-    ) -> None:
-        """Latch the gate bits each gated request fired on its decode tokens, and count them
-        for the firing rates (per distinct content, not per request)."""
-        assert step.fired is not None, "collect() gives every gated step its fired bits"
-        fired = step.fired.tolist()
-        by_content: dict[int, tuple[RowContent, list[int]]] = {}
-        for i, content in step.gated:
-            s = sched.scheduled[i]
-            seq = s.seq
-            iv = seq.group.interventions
-            if seq.is_finished or iv is None or iv.decode_content is not content:
-                continue  # its gates changed since this step was planned: the bits mean others
-            start, count = spans[i]
-            # Gates act on decode tokens only: the span's tail past the prompt.
-            n_dec = count - max(0, min(count, seq.num_prompt_tokens - s.start))
-            if n_dec <= 0:
-                continue
-            tokens = fired[start + count - n_dec : start + count]
-            bits = 0
-            for f in tokens:
-                bits |= f
-            new = bits & content.latching_bits & ~seq.latched
-            if new:
-                seq.latched |= new  # n > 1 samples latch apart
-                self._epoch += 1
-                # Positions computed since (a step in flight) latched these bits on the
-                # device already: their KV signatures say so now.
-                seq.resign_kv_from(s.start + count)
-            by_content.setdefault(id(content), (content, []))[1].extend(tokens)
-        for content, tokens in by_content.values():
-            for key, gate in content.gates.items():
-                self.gate_tokens[key] += len(tokens)
-                self.gate_fired[key] += sum((f >> gate.bit) & 1 for f in tokens)
-
-    @staticmethod
-    def _spans(sched: SchedulerOutput) -> list[tuple[int, int]]:
-        spans, at = [], 0
-        for s in sched.scheduled:
-            spans.append((at, s.num_tokens))
-            at += s.num_tokens
-        return spans
-
-    def _run_consumers(
-        self, sched: SchedulerOutput, step: StepInterventions, spans: list[tuple[int, int]]
-    ) -> None:
-        requests = [
-            RequestSpan(
-                request_id=s.seq.group.request_id,
-                sample=s.seq.index,
-                start=start,
-                num_tokens=count,
-                first_position=s.start,
-                num_prefill_tokens=max(0, min(count, s.seq.num_prompt_tokens - s.start)),
-            )
-            for s, (start, count) in zip(sched.scheduled, spans, strict=True)
-        ]
-        for name, (c, keys) in self.consumers.items():
-            timing = self.consumer_timing[name]
-            view = StepView(
-                step=self.steps,
-                activations={k: step.view[k] for k in keys},
-                requests=requests,
-            )
-            t0 = time.perf_counter()
-            try:
-                actions = list(c.on_step(view) or [])
-            except Exception as exc:  # a consumer's bug must not stop serving
-                timing.errors += 1
-                timing.last_error = repr(exc)
-                log.exception("sync consumer %s failed", name)
-                actions = []
-            timing.record((time.perf_counter() - t0) * 1e3)
-            for action in actions:
-                if isinstance(action, ACTION_TYPES):
-                    self.queue.put(action, name)
-                else:
-                    timing.errors += 1
-                    timing.last_error = f"returned a non-action: {action!r}"
-
     # -- observability --------------------------------------------------------------------
 
     def state_digest(self) -> bytes:
@@ -951,14 +688,14 @@ class InterventionManager:
             t.dynamic_pool.used,
             sum(self.counters.applied.values()),
             sum(self.counters.rejected.values()),
-            self.steps,
+            self.planner.steps,
         )
         h.update(repr(counts).encode())
         return h.digest()
 
     def snapshot(self) -> dict:
         """Queue counters, pool use, active tiers and monitors, consumer timing."""
-        t = self.tables
+        t, obs = self.tables, self.observer
         return {
             "queue": {
                 **self.queue.counters(),
@@ -990,11 +727,11 @@ class InterventionManager:
                 (site_key(*k) for k in t.active_sites()),
                 key=lambda s: (int(s.split(".")[0]), SITES.index(s.split(".")[1])),
             ),
-            "consumers": {name: tm.as_dict() for name, tm in self.consumer_timing.items()},
-            "probe_aborts": self.num_probe_aborts,
-            "cached_plans": self.num_cached_plans,
+            "consumers": {name: tm.as_dict() for name, tm in obs.consumer_timing.items()},
+            "probe_aborts": obs.num_probe_aborts,
+            "cached_plans": self.planner.num_cached_plans,
             "gate_firing": {
-                site_key(*k): {"tokens": n, "fired": self.gate_fired[k]}
-                for k, n in sorted(self.gate_tokens.items())
+                site_key(*k): {"tokens": n, "fired": obs.gate_fired[k]}
+                for k, n in sorted(obs.gate_tokens.items())
             },
         }

@@ -1,0 +1,182 @@
+"""The step observer: after the forward pass, what the step read back goes where it belongs.
+
+Captures go to the capture sink; read-outs and `abort_when` verdicts to the step's
+report (the engine attaches them to tokens and stops requests); gate bits latch into
+their sequences and count for the firing rates; sync consumers see the step's view and
+their actions go to the action queue. It runs when a step is accepted, which with
+overlapped steps is after the next step was planned and launched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.engine.interventions.actions import ACTION_TYPES, ActionQueue
+from services.engine.interventions.capture import CaptureSink
+from services.engine.interventions.consumers import (
+    ConsumerTiming,
+    RequestSpan,
+    StepView,
+    SyncConsumer,
+)
+from services.engine.interventions.planner import StepInterventions
+from services.engine.interventions.resolve import RowContent, SiteKey
+from services.engine.interventions.sites import site_key
+from services.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepReport:
+    """What the forward pass observed, per scheduled sequence (aligned with the schedule)."""
+
+    readouts: list[dict[str, float] | None]
+    aborts: list[str | None]  # the name of the abort_when probe that fired, if any
+
+
+class StepObserver:
+    """Routes what each step read back; holds the sync consumers and the gate/probe counts."""
+
+    def __init__(
+        self,
+        sink: Callable[[], CaptureSink],
+        queue: ActionQueue,
+        steps: Callable[[], int],
+        invalidate: Callable[[], None],
+    ):
+        self._sink, self.queue, self.steps, self.invalidate = sink, queue, steps, invalidate
+        # name -> (consumer, the (layer, site)s it reads), checked once when added
+        self.consumers: dict[str, tuple[SyncConsumer, frozenset[SiteKey]]] = {}
+        self.consumer_timing: dict[str, ConsumerTiming] = {}
+        self.num_probe_aborts = 0
+        # Declarative gates, per (layer, site): decode tokens they were evaluated on, and
+        # how many of those they fired on (the dashboard's firing rates).
+        self.gate_tokens: Counter[SiteKey] = Counter()
+        self.gate_fired: Counter[SiteKey] = Counter()
+
+    @property
+    def sink(self) -> CaptureSink:
+        return self._sink()
+
+    def view_sites(self) -> frozenset[SiteKey]:
+        """The (layer, site)s some sync consumer reads."""
+        return frozenset(k for _, keys in self.consumers.values() for k in keys)
+
+    def observe(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport | None:
+        """Route this step's captures, read-outs and gate firings, and run the sync
+        consumers; returns the read-outs and aborts (None when nothing came back)."""
+        if not (step.capture_meta or step.readers or step.gated or self.consumers):
+            return None  # steering alone: nothing comes back
+        n = len(sched.scheduled)
+        report = StepReport([None] * n, [None] * n)
+        spans = self._spans(sched)
+        for key, rows in step.captured.items():
+            rows = rows.float().cpu()  # [sum of positions, H], in capture_meta's order
+            name, at = site_key(*key), 0
+            for request_id, positions in step.capture_meta[key]:
+                self.sink.write(request_id, name, positions, rows[at : at + len(positions)])
+                at += len(positions)
+        if step.readers:
+            values, at = step.probe_values(), 0
+            for i, iv in step.readers:
+                k, end = len(iv.readouts), at + len(iv.probes)
+                if k:
+                    reads = values[at : at + k]
+                    report.readouts[i] = dict(zip(iv.readout_names, reads, strict=True))
+                for probe, value in zip(iv.probes[k:], values[at + k : end], strict=True):
+                    if probe.fires(value):
+                        report.aborts[i] = probe.name
+                        self.num_probe_aborts += 1
+                        break
+                at = end
+        if step.gated:
+            self._latch(sched, step, spans)
+        if self.consumers:
+            self._run_consumers(sched, step, spans)
+        return report
+
+    def _latch(
+        self, sched: SchedulerOutput, step: StepInterventions, spans: list[tuple[int, int]]
+    ) -> None:
+        """Latch the gate bits each gated request fired on its decode tokens, and count them
+        for the firing rates (per distinct content, not per request)."""
+        assert step.fired is not None, "collect() gives every gated step its fired bits"
+        fired = step.fired.tolist()
+        by_content: dict[int, tuple[RowContent, list[int]]] = {}
+        for i, content in step.gated:
+            s = sched.scheduled[i]
+            seq = s.seq
+            iv = seq.group.interventions
+            if seq.is_finished or iv is None or iv.decode_content is not content:
+                continue  # its gates changed since this step was planned: the bits mean others
+            start, count = spans[i]
+            # Gates act on decode tokens only: the span's tail past the prompt.
+            n_dec = count - max(0, min(count, seq.num_prompt_tokens - s.start))
+            if n_dec <= 0:
+                continue
+            tokens = fired[start + count - n_dec : start + count]
+            bits = 0
+            for f in tokens:
+                bits |= f
+            new = bits & content.latching_bits & ~seq.latched
+            if new:
+                seq.latched |= new  # n > 1 samples latch apart
+                self.invalidate()
+                # Positions computed since (a step in flight) latched these bits on the
+                # device already: their KV signatures say so now.
+                seq.resign_kv_from(s.start + count)
+            by_content.setdefault(id(content), (content, []))[1].extend(tokens)
+        for content, tokens in by_content.values():
+            for key, gate in content.gates.items():
+                self.gate_tokens[key] += len(tokens)
+                self.gate_fired[key] += sum((f >> gate.bit) & 1 for f in tokens)
+
+    @staticmethod
+    def _spans(sched: SchedulerOutput) -> list[tuple[int, int]]:
+        spans, at = [], 0
+        for s in sched.scheduled:
+            spans.append((at, s.num_tokens))
+            at += s.num_tokens
+        return spans
+
+    def _run_consumers(
+        self, sched: SchedulerOutput, step: StepInterventions, spans: list[tuple[int, int]]
+    ) -> None:
+        requests = [
+            RequestSpan(
+                request_id=s.seq.group.request_id,
+                sample=s.seq.index,
+                start=start,
+                num_tokens=count,
+                first_position=s.start,
+                num_prefill_tokens=max(0, min(count, s.seq.num_prompt_tokens - s.start)),
+            )
+            for s, (start, count) in zip(sched.scheduled, spans, strict=True)
+        ]
+        for name, (c, keys) in self.consumers.items():
+            timing = self.consumer_timing[name]
+            view = StepView(
+                step=self.steps(),
+                activations={k: step.view[k] for k in keys},
+                requests=requests,
+            )
+            t0 = time.perf_counter()
+            try:
+                actions = list(c.on_step(view) or [])
+            except Exception as exc:  # a consumer's bug must not stop serving
+                timing.errors += 1
+                timing.last_error = repr(exc)
+                log.exception("sync consumer %s failed", name)
+                actions = []
+            timing.record((time.perf_counter() - t0) * 1e3)
+            for action in actions:
+                if isinstance(action, ACTION_TYPES):
+                    self.queue.put(action, name)
+                else:
+                    timing.errors += 1
+                    timing.last_error = f"returned a non-action: {action!r}"
