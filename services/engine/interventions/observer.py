@@ -14,6 +14,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from services.engine.interventions.actions import ACTION_TYPES, ActionQueue
 from services.engine.interventions.capture import CaptureSink
@@ -94,11 +97,49 @@ class StepObserver:
                         self.num_probe_aborts += 1
                         break
                 at = end
-        if step.gated:
+        if step.gate_index is not None:
+            self._latch_decode(sched, step)
+        elif step.gated:
             self._latch(sched, step, spans)
         if self.consumers:
             self._run_consumers(sched, step, spans)
         return report
+
+    def _latch_decode(self, sched: SchedulerOutput, step: StepInterventions) -> None:
+        """`_latch` for an all-decode step, whose gated requests have one token each at their
+        own row: the bits are gathered and tested as arrays, and only requests whose
+        latching gates fired are visited."""
+        assert step.fired is not None and step.gate_index is not None
+        rows, latching, groups = step.gate_index
+        current = np.fromiter(
+            (self._current(sched.scheduled[i].seq, c) for i, c in step.gated), bool, len(rows)
+        )
+        bits = np.where(current, step.fired.numpy()[rows], 0)
+        for j in np.flatnonzero(bits & latching).tolist():
+            i, content = step.gated[j]
+            s = sched.scheduled[i]
+            self._latch_bits(s.seq, content, int(bits[j]), s.start + 1)
+        for (key, bit), idx in groups:
+            idx = idx[current[idx]]
+            self.gate_tokens[key] += len(idx)
+            self.gate_fired[key] += int(((bits[idx] >> bit) & 1).sum())
+
+    @staticmethod
+    def _current(seq: Any, content: RowContent) -> bool:
+        """Whether `seq` still runs under the gates of `content` (else the bits it fired
+        under them mean other gates, or nothing: it has finished)."""
+        iv = seq.group.interventions
+        return not seq.is_finished and iv is not None and iv.decode_content is content
+
+    def _latch_bits(self, seq: Any, content: RowContent, bits: int, next_position: int) -> None:
+        """Latch `bits` of `content`'s latching gates into `seq`."""
+        new = bits & content.latching_bits & ~seq.latched
+        if new:
+            seq.latched |= new  # n > 1 samples latch apart
+            self.invalidate()
+            # Positions computed since (a step in flight) latched these bits on the device
+            # already: their KV signatures say so now.
+            seq.resign_kv_from(next_position)
 
     def _latch(
         self, sched: SchedulerOutput, step: StepInterventions, spans: list[tuple[int, int]]
@@ -110,26 +151,18 @@ class StepObserver:
         by_content: dict[int, tuple[RowContent, list[int]]] = {}
         for i, content in step.gated:
             s = sched.scheduled[i]
-            seq = s.seq
-            iv = seq.group.interventions
-            if seq.is_finished or iv is None or iv.decode_content is not content:
-                continue  # its gates changed since this step was planned: the bits mean others
             start, count = spans[i]
             # Gates act on decode tokens only: the span's tail past the prompt.
-            n_dec = count - max(0, min(count, seq.num_prompt_tokens - s.start))
+            n_dec = count - max(0, min(count, s.seq.num_prompt_tokens - s.start))
             if n_dec <= 0:
+                continue
+            if not self._current(s.seq, content):
                 continue
             tokens = fired[start + count - n_dec : start + count]
             bits = 0
             for f in tokens:
                 bits |= f
-            new = bits & content.latching_bits & ~seq.latched
-            if new:
-                seq.latched |= new  # n > 1 samples latch apart
-                self.invalidate()
-                # Positions computed since (a step in flight) latched these bits on the
-                # device already: their KV signatures say so now.
-                seq.resign_kv_from(s.start + count)
+            self._latch_bits(s.seq, content, bits, s.start + count)
             by_content.setdefault(id(content), (content, []))[1].extend(tokens)
         for content, tokens in by_content.values():
             for key, gate in content.gates.items():

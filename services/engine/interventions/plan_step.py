@@ -63,7 +63,7 @@ class StepPlanner:
             cached = self._plan_cache
             if cached is not None and cached[0] == key:
                 self.num_cached_plans += 1
-                steer_tokens, readers, gated, read_index = cached[1]
+                steer_tokens, readers, gated, read_index, gate_index = cached[1]
                 return StepInterventions(
                     self.tables,
                     kernel_sites,
@@ -71,6 +71,8 @@ class StepPlanner:
                     readers=readers,
                     gated=gated,
                     read_index=read_index,
+                    gate_index=gate_index,
+                    decode_only=True,
                 )
         capture_rows: dict[SiteKey, list[int]] = {}
         capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = {}
@@ -125,10 +127,14 @@ class StepPlanner:
                 for k, v in patch_rows.items()
             },
             view_sites=set(view_sites),
+            decode_only=decode_only,
         )
         # Cached unless planning itself moved the epoch (a gate met a sequence).
         if key is not None and not (capture_rows or patch_rows) and key[0] == self._epoch:
-            self._plan_cache = (key, (steer_tokens, readers, gated, plan.read_index))
+            self._plan_cache = (
+                key,
+                (steer_tokens, readers, gated, plan.read_index, plan.gate_index),
+            )
         return plan
 
     def _plan_tokens(self, sched: SchedulerOutput, reads: bool, dynamic_gain: float) -> SteerTokens:

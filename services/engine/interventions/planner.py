@@ -120,8 +120,22 @@ class StepInterventions:
     view_sites: set[SiteKey] = field(default_factory=set)
     # where `probe_values` finds the readers' scores: (request rows, flat offsets), or None
     read_index: tuple[np.ndarray, np.ndarray] | None = None
+    # All-decode steps (one token per request, at its own row): the gated requests' rows,
+    # their latching bits, and per (gate site, bit) which of them have that gate; else None
+    gate_index: tuple[np.ndarray, np.ndarray, list] | None = None
+    decode_only: bool = False
 
     def __post_init__(self) -> None:
+        if self.gated and self.decode_only and self.gate_index is None:
+            groups: dict[tuple[SiteKey, int], list[int]] = {}
+            for j, (_, content) in enumerate(self.gated):
+                for key, gate in content.gates.items():
+                    groups.setdefault((key, gate.bit), []).append(j)
+            self.gate_index = (
+                np.fromiter((i for i, _ in self.gated), np.int64, len(self.gated)),
+                np.fromiter((c.latching_bits for _, c in self.gated), np.int64, len(self.gated)),
+                [(k, np.asarray(v, np.int64)) for k, v in groups.items()],
+            )
         if self.readers and self.read_index is None:
             counts = [len(iv.probe_flat) for _, iv in self.readers]
             rows = np.repeat(np.fromiter((i for i, _ in self.readers), np.int64), counts)
