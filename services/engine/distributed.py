@@ -159,7 +159,7 @@ class StepSync:
             layers = engine.interventions.local_layers
             part["layers"] = (layers.start, layers.stop)  # whose scores it computed
             part["scores"] = plan.scores
-            part["fired"] = plan.fired.cpu()
+            part["fired"] = plan.fired
         parts: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(parts, part, group=self.group)
         digests = [p["digest"] for p in parts]
@@ -177,7 +177,8 @@ class StepSync:
                 if p["scores"] is not None:
                     lo, hi = p["layers"]
                     plan.scores[:, lo:hi] = p["scores"][:, lo:hi]
-                plan.fired = plan.fired | p["fired"].to(plan.fired.device)
+                if p["fired"] is not None:  # every rank's plan gates alike
+                    plan.fired = plan.fired | p["fired"]
         return parts[self.result_rank]["result"]
 
     def stop(self) -> None:

@@ -93,8 +93,8 @@ class PendingStep:
     """A launched step: its sampled tokens are computed (or being computed) on the device
     and copied to a pinned host buffer behind them; `result()` waits for that copy only."""
 
-    def __init__(self, num_seqs: int, sample_rows: list[int], num_tokens: int = 0):
-        self.num_seqs, self.num_tokens = num_seqs, num_tokens
+    def __init__(self, num_seqs: int, sample_rows: list[int]):
+        self.num_seqs = num_seqs
         self.sample_rows = sample_rows  # index in the step's requests of each sampled row
         self.sampled: SampledBatch | None = None
         self.host: torch.Tensor | None = None  # pinned copy of sampled.packed()
@@ -110,7 +110,7 @@ class PendingStep:
         if self.copied is not None:
             self.copied.synchronize()
         if self.interventions is not None:
-            self.interventions.collect(self.readback, self.num_tokens)
+            self.interventions.collect(self.readback)
             self.interventions = None  # collected once
         if self.sampled is None:
             return result
@@ -527,7 +527,7 @@ class ModelRunner:
                 if len(sample_rows) < n:
                     index = index[torch.tensor(sample_rows, device=self.device)]
                 logits = self.model.compute_logits(hidden[index]).float()
-        pending = PendingStep(n, sample_rows, t)
+        pending = PendingStep(n, sample_rows)
         if interventions is not None:
             self._read_back(pending, interventions, bucket is not None, t, n, sample_rows)
         if hidden is None and bucket is None:  # a pipeline stage before the last
@@ -573,6 +573,8 @@ class ModelRunner:
         covers these copies too)."""
         rb = self.readback
         assert rb is not None
+        if not (iv.reads_fired or iv.reads_scores):
+            return  # steering alone: nothing to read back
         if iv.reads_fired and sample_rows and not (graphed and len(sample_rows) == num_seqs):
             index = self.batch.dev["logits_rows"][:num_seqs]
             if len(sample_rows) < num_seqs:

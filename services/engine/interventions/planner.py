@@ -143,8 +143,9 @@ class StepInterventions:
         self.captured: dict[SiteKey, torch.Tensor] = {}
         self.view: dict[SiteKey, torch.Tensor] = {}
         self.readback: Readback | None = None
-        # Host results, set by `collect` once the step's copies have landed: gate bits per
-        # token [T] int32, and the scores [requests, layers, sites, columns] float32.
+        # Host results, set by `collect` once the step's copies have landed (None where the
+        # step read nothing back): gate bits per token [T] int32, and the scores
+        # [requests, layers, sites, columns] float32.
         self.fired: torch.Tensor | None = None
         self.scores: np.ndarray | None = None
 
@@ -156,10 +157,9 @@ class StepInterventions:
     def reads_fired(self) -> bool:
         return bool(self.gated)
 
-    def collect(self, host: dict, num_tokens: int) -> None:
+    def collect(self, host: dict) -> None:
         """Take the step's copied read-back (`Readback.copy`'s result, landed) as results."""
-        fired = host.get("fired")
-        self.fired = fired if fired is not None else torch.zeros(num_tokens, dtype=torch.int32)
+        self.fired = host.get("fired")
         scores = host.get("scores")
         self.scores = scores.numpy() if scores is not None else None
 

@@ -109,13 +109,13 @@ def test_observer_routes_read_outs_aborts_and_latches():
     flat[torch.from_numpy(iv.probe_flat)] = torch.tensor([0.5, -0.25, 0.75])  # p, q, abort
     bit = iv.decode_content.gates[(1, "post_block")].bit
     rb.fired[0] = 1 << bit
-    plan.collect(rb.copy(1, 1, fired=True, scores=True), 1)
+    plan.collect(rb.copy(1, 1, fired=True, scores=True))
     report = m.observe(sched, plan)
     assert report.readouts == [{"p": 0.5, "q": -0.25}]
     assert report.aborts == [None]  # 0.75 is under the abort threshold
     assert reader.seqs[0].latched == 1 << bit
     assert m.snapshot()["gate_firing"] == {"1.post_block": {"tokens": 1, "fired": 1}}
     flat[torch.from_numpy(iv.probe_flat)] = torch.tensor([0.0, 0.0, 2.0])
-    plan.collect(rb.copy(1, 1, fired=True, scores=True), 1)
+    plan.collect(rb.copy(1, 1, fired=True, scores=True))
     assert m.observe(sched, plan).aborts == ["0.post_block"]  # the probe's default name
     assert m.snapshot()["probe_aborts"] == 1
