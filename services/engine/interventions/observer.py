@@ -77,7 +77,6 @@ class StepObserver:
             return None  # steering alone: nothing comes back
         n = len(sched.scheduled)
         report = StepReport([None] * n, [None] * n)
-        spans = self._spans(sched)
         for key, rows in step.captured.items():
             rows = rows.float().cpu()  # [sum of positions, H], in capture_meta's order
             name, at = site_key(*key), 0
@@ -87,22 +86,24 @@ class StepObserver:
         if step.readers:
             values, at = step.probe_values(), 0
             for i, iv in step.readers:
-                k, end = len(iv.readouts), at + len(iv.probes)
+                names = iv.readout_names
+                k = len(names)
                 if k:
-                    reads = values[at : at + k]
-                    report.readouts[i] = dict(zip(iv.readout_names, reads, strict=True))
-                for probe, value in zip(iv.probes[k:], values[at + k : end], strict=True):
-                    if probe.fires(value):
-                        report.aborts[i] = probe.name
-                        self.num_probe_aborts += 1
-                        break
+                    report.readouts[i] = dict(zip(names, values[at : at + k], strict=True))
+                end = at + len(iv.probes)
+                if end > at + k:  # abort_when probes follow the read-outs
+                    for probe, value in zip(iv.probes[k:], values[at + k : end], strict=True):
+                        if probe.fires(value):
+                            report.aborts[i] = probe.name
+                            self.num_probe_aborts += 1
+                            break
                 at = end
         if step.gate_index is not None:
             self._latch_decode(sched, step)
         elif step.gated:
-            self._latch(sched, step, spans)
+            self._latch(sched, step, self._spans(sched))
         if self.consumers:
-            self._run_consumers(sched, step, spans)
+            self._run_consumers(sched, step, self._spans(sched))
         return report
 
     def _latch_decode(self, sched: SchedulerOutput, step: StepInterventions) -> None:
