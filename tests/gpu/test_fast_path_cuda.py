@@ -148,13 +148,28 @@ def test_an_unsteered_request_beside_steered_ones_gets_what_it_gets_alone(tiny_c
     _assert_same([mixed[1], mixed[4]], [plain[1], plain[4]])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_an_unsteered_request_beside_steered_ones_is_bit_identical_in_bf16(tiny_checkpoint, arch):
+WIDE = {"kv_heads": 8, "intermediate": 1024}  # 2 layers as wide as 8B models, head_dim 128
+
+
+@pytest.mark.parametrize(
+    "arch,shape",
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("llama", {"hidden": 3072, "heads": 24, **WIDE}),
+        ("llama", {"hidden": 4096, "heads": 32, **WIDE}),
+    ],
+    ids=["llama", "qwen3", "llama-h3072", "llama-h4096"],
+)
+def test_an_unsteered_request_beside_steered_ones_is_bit_identical_in_bf16(
+    tiny_checkpoint, arch, shape
+):
     """In the same batches, an unsteered request's every kernel computes what the plain
     path computes: the steer op adds exact zeros, does the residual add as the fused norm
     does, and sums the next norm in the RMSNorm kernel's order. So its tokens and logprobs
-    are bit-identical, in bf16, to a run where no request steers."""
-    path = tiny_checkpoint(arch)
+    are bit-identical, in bf16, to a run where no request steers. At widths past one H tile
+    of the steer op (3072, 4096) too, where the fused norm takes the norm kernel's tiling."""
+    path = tiny_checkpoint(arch, **shape)
     mixed, stats = _run_steered(path, "bfloat16", False, {0, 2, 3, 5})
     plain, _ = _run_steered(path, "bfloat16", False, set())
     assert stats["num_steered_graph_steps"] > 10
