@@ -43,6 +43,10 @@ class StepAttentionInputs:
 class AttentionBackend(ABC):
     """Computes causal attention of this step's queries over each request's cached context."""
 
+    # Whether a decode step's `prepare` output reads only device tensors of fixed shape, so
+    # the step can be captured in a CUDA graph and replayed with new inputs.
+    supports_graphs = False
+
     @abstractmethod
     def prepare(self, inputs: StepAttentionInputs) -> Any:
         """Per-step metadata shared by every layer (built once per step)."""
@@ -185,12 +189,16 @@ class SdpaBackend(AttentionBackend):
 class TritonBackend(AttentionBackend):
     """Triton kernels over the paged cache in place (`kernels/decode_attention.py`).
 
+    The kernels tile a head whole, so the head dimension must be a power of two.
+
     A decode step (one query per request) runs the split-K decode kernel, which reads only
     device tensors, so the step can be captured in a CUDA graph. Padding rows of a graph
     batch have `seq_len == 0` (output zeros) and write their K/V to a scratch slot the
     block manager never hands out. Any other step runs the varlen prefill kernel: each
     chunk attends its cached context plus itself.
     """
+
+    supports_graphs = True
 
     def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs:
         return inputs

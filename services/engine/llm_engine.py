@@ -88,7 +88,9 @@ class LLMEngine:
             self.dtype,
             cfg.block_size,
             ctx,
-            backend=make_attention_backend(cfg.attention_backend, self.device),
+            backend=make_attention_backend(
+                cfg.attention_backend, self.device, self.model_config.head_dim
+            ),
             seed=cfg.seed,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,

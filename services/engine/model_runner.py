@@ -68,13 +68,29 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, DTYPES[dtype]
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`name` "auto" picks the Triton kernels on CUDA and SDPA on CPU."""
+def make_attention_backend(
+    name: str, device: torch.device, head_dim: int | None = None
+) -> AttentionBackend:
+    """`name` "auto" picks the Triton kernels on CUDA and SDPA on CPU, and SDPA on CUDA too
+    for a head dimension the Triton kernels cannot tile (not a power of two), without CUDA
+    graphs then (SDPA's steps are not capturable)."""
+    tileable = head_dim is None or head_dim & (head_dim - 1) == 0
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "sdpa"
+        name = "triton" if device.type == "cuda" and tileable else "sdpa"
+        if device.type == "cuda" and not tileable:
+            log.warning(
+                "head_dim %d is not a power of two: attention runs on SDPA, without CUDA "
+                "graphs (the Triton kernels tile a head whole)",
+                head_dim,
+            )
     if name == "triton":
         if device.type != "cuda":
             raise ValueError("attention_backend='triton' needs a CUDA device")
+        if not tileable:
+            raise ValueError(
+                f"attention_backend='triton' needs a power-of-two head_dim (its kernels tile "
+                f"a head whole); this model's is {head_dim}: use 'auto' or 'sdpa'"
+            )
         return TritonBackend()
     return SdpaBackend()
 
@@ -382,7 +398,10 @@ class ModelRunner:
     # -- CUDA graphs ----------------------------------------------------------------------
 
     def can_use_graphs(self) -> bool:
-        return self.device.type == "cuda" and self.ctx.world_size == 1
+        """CUDA, one process, and an attention backend whose decode steps can be captured."""
+        return (
+            self.device.type == "cuda" and self.ctx.world_size == 1 and self.backend.supports_graphs
+        )
 
     @torch.inference_mode()
     def capture_decode_graphs(

@@ -244,3 +244,48 @@ def test_read_outs_gates_and_aborts_replay_the_intervened_graph_and_equal_eager(
             assert rg == pytest.approx(rw, rel=1e-4, abs=1e-4)
     assert gsnap["gate_firing"] == esnap["gate_firing"]
     assert gsnap["probe_aborts"] == esnap["probe_aborts"]
+
+
+# -- attention backends without CUDA graphs ------------------------------------------------
+
+
+def test_sdpa_on_cuda_runs_eagerly_and_equals_triton(tiny_checkpoint):
+    """SDPA's steps are not capturable: asked for on CUDA, it runs every step eagerly (a
+    graph captured over it would replay the capture step's key lengths)."""
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = {}
+    for backend in ("sdpa", "triton"):
+        cfg = dict(device="cuda", dtype="float32", max_num_seqs=8)
+        engine = LLMEngine(path, EngineConfig(attention_backend=backend, **cfg))
+        totals = OutputAccumulator()
+        for i, p in enumerate(_prompts()):
+            engine.add_request(str(i), p, params)
+        while engine.has_unfinished_requests():
+            for out in totals.finished(engine.step()):
+                outs.setdefault(backend, {})[out.request_id] = out.outputs[0]
+        graphs = engine.stats()["num_graph_steps"]
+        assert (graphs == 0) if backend == "sdpa" else (graphs > 0)
+    order = [str(i) for i in range(len(PROMPT_LENS))]
+    _assert_same([outs["sdpa"][r] for r in order], [outs["triton"][r] for r in order])
+
+
+def test_a_head_dim_the_triton_kernels_cannot_tile_runs_on_sdpa(tiny_checkpoint):
+    """head_dim 96: "auto" picks SDPA and no graphs, the rotary falls back to PyTorch, and
+    the result is the CPU engine's."""
+    path = tiny_checkpoint("qwen3", hidden=192, heads=2, kv_heads=1, head_dim=96)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    got = {}
+    for device in ("cuda", "cpu"):
+        engine = LLMEngine(path, EngineConfig(device=device, dtype="float32", max_num_seqs=8))
+        assert engine.model_config.head_dim == 96
+        totals = OutputAccumulator()
+        for i, p in enumerate(_prompts()[:3]):
+            engine.add_request(str(i), p, params)
+        while engine.has_unfinished_requests():
+            for out in totals.finished(engine.step()):
+                got.setdefault(device, {})[out.request_id] = out.outputs[0]
+        if device == "cuda":
+            assert engine.stats()["num_graph_steps"] == 0
+    order = ["0", "1", "2"]
+    _assert_same([got["cuda"][r] for r in order], [got["cpu"][r] for r in order])

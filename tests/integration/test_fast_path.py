@@ -317,3 +317,21 @@ def test_graph_buckets_cover_every_batch_size():
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
     assert graph_batch_sizes(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
+
+
+def test_attention_backend_choice_follows_the_head_dim_and_graphs_need_a_capturable_one():
+    """The Triton kernels tile a head whole: "auto" picks SDPA for a head dim that is not a
+    power of two (on CUDA too), "triton" refuses it with the reason, and only a backend
+    whose decode steps are capturable gets CUDA graphs."""
+    from services.engine.attention import SdpaBackend, TritonBackend
+    from services.engine.model_runner import make_attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects: no CUDA needed
+    assert isinstance(make_attention_backend("auto", cuda, 128), TritonBackend)
+    assert isinstance(make_attention_backend("auto", cuda, 96), SdpaBackend)
+    assert isinstance(make_attention_backend("auto", cpu, 128), SdpaBackend)
+    with pytest.raises(ValueError, match=r"power-of-two head_dim.*96"):
+        make_attention_backend("triton", cuda, 96)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_attention_backend("triton", cpu, 128)
+    assert TritonBackend.supports_graphs and not SdpaBackend.supports_graphs

@@ -206,7 +206,9 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 def rotary(q, k, cos, sin, positions):
-    """Rotate-half RoPE of q and k; Triton on CUDA."""
-    if _use_triton(q, k):
+    """Rotate-half RoPE of q and k; Triton on CUDA (for power-of-two head dims: the kernel
+    tiles half a head whole)."""
+    half = q.shape[-1] // 2
+    if _use_triton(q, k) and half & (half - 1) == 0:
         return rotary_triton(q, k, cos, sin, positions)
     return rotary_reference(q, k, cos, sin, positions)
