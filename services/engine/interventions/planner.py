@@ -1,6 +1,6 @@
 """One step's interventions as tensors: what each site of the forward pass does.
 
-The planner (in `manager.py`) turns the scheduler's output into per-token indices; the
+The planner (`plan_step.py`) turns the scheduler's output into per-token indices; the
 model calls `StepInterventions.apply(layer, site, h)` at every site, which — in the order
 the design fixes — captures the pristine residual, patches the rows a patch lands on, then
 runs the fused op where anything is installed: steering, the monitor, gates, and the
