@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,9 +24,16 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(8, 512) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _run(path, dtype: str, eager: bool, params: SamplingParams, steered: set[int] = frozenset()):
-    """The prompts staggered (batch sizes change every step, across graph buckets); those in
-    `steered` each with a steering config of its own."""
+def _serve(
+    path,
+    dtype: str,
+    eager: bool,
+    params_for: Callable[[int, int, int], SamplingParams],
+    before_step: Callable[[LLMEngine], None] = lambda engine: None,
+) -> tuple[list, LLMEngine]:
+    """The prompts staggered (batch sizes change every step, across graph buckets), prompt i
+    with `params_for(i, hidden size, number of layers)`; `before_step` checks the engine
+    before each step. The outputs in prompt order."""
     cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8)
     engine = LLMEngine(path, cfg)
     shape = engine.model_config.hidden_size, engine.model_config.num_layers
@@ -35,11 +43,22 @@ def _run(path, dtype: str, eager: bool, params: SamplingParams, steered: set[int
     while pending or engine.has_unfinished_requests():
         if pending:
             i, p = pending.pop(0)
-            steer = _steering(i, *shape) if i in steered else None
-            engine.add_request(str(i), p, dataclasses.replace(params, steering=steer))
+            engine.add_request(str(i), p, params_for(i, *shape))
+        before_step(engine)
         for out in totals.finished(engine.step()):
             outs[out.request_id] = out.outputs[0]
-    return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats()
+    return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine
+
+
+def _run(path, dtype: str, eager: bool, params: SamplingParams, steered: set[int] = frozenset()):
+    """`_serve` with `params`; those in `steered` each with a steering config of its own."""
+
+    def params_for(i: int, hidden: int, num_layers: int) -> SamplingParams:
+        steer = _steering(i, hidden, num_layers) if i in steered else None
+        return dataclasses.replace(params, steering=steer)
+
+    outs, engine = _serve(path, dtype, eager, params_for)
+    return outs, engine.stats()
 
 
 def _assert_same(got: list, want: list) -> None:
@@ -208,22 +227,13 @@ def _read_back_params(i: int, hidden: int, num_layers: int) -> SamplingParams:
     return dataclasses.replace(STEERED, readouts=reads, steering=steering)
 
 
+def _overlaps(engine: LLMEngine) -> None:
+    assert engine._can_overlap()  # read-outs, gates and aborts do not turn overlap off
+
+
 def _run_read_back(path, eager: bool):
-    cfg = EngineConfig(device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8)
-    engine = LLMEngine(path, cfg)
-    shape = engine.model_config.hidden_size, engine.model_config.num_layers
-    outs = {}
-    pending = list(enumerate(_prompts()))
-    totals = OutputAccumulator()
-    while pending or engine.has_unfinished_requests():
-        if pending:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, _read_back_params(i, *shape))
-        assert engine._can_overlap()
-        for out in totals.finished(engine.step()):
-            outs[out.request_id] = out.outputs[0]
-    snap = engine.steering_snapshot()
-    return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine.stats(), snap
+    outs, engine = _serve(path, "float32", eager, _read_back_params, _overlaps)
+    return outs, engine.stats(), engine.steering_snapshot()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -58,7 +58,6 @@ class Readback:
     def __init__(
         self, max_tokens: int, max_seqs: int, num_layers: int, columns: int, device: torch.device
     ):
-        self.device = device
         self.on_cuda = device.type == "cuda"
         i32 = torch.int32
         self.fired = torch.zeros(max_tokens, dtype=i32, device=device)
@@ -82,21 +81,16 @@ class Readback:
         asked for) to the host, behind the step; returns the host tensors (on CPU, copies
         taken now: the next step would overwrite the buffers)."""
         out = {}
-        if not self.on_cuda:
-            if fired:
-                out["fired"] = self.fired[:num_tokens].clone()
-            if scores:
-                out["scores"] = self.scores[:num_seqs].clone()
-            return out
         self._turn ^= 1
-        if fired:
-            host = self._hosts["fired"][self._turn][:num_tokens]
-            host.copy_(self.fired[:num_tokens], non_blocking=True)
-            out["fired"] = host
-        if scores:
-            host = self._hosts["scores"][self._turn][:num_seqs]
-            host.copy_(self.scores[:num_seqs], non_blocking=True)
-            out["scores"] = host
+        for name, wanted, n in (("fired", fired, num_tokens), ("scores", scores, num_seqs)):
+            if not wanted:
+                continue
+            src = getattr(self, name)[:n]
+            if not self.on_cuda:
+                out[name] = src.clone()
+                continue
+            out[name] = host = self._hosts[name][self._turn][:n]
+            host.copy_(src, non_blocking=True)
         return out
 
 

@@ -8,6 +8,7 @@ import torch
 
 from services.engine.interventions.manager import InterventionManager
 from services.engine.interventions.planner import Readback
+from services.engine.model_runner import STEER_FIELDS
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, SchedulerOutput
 from services.engine.sequence import RequestGroup
@@ -102,8 +103,8 @@ def test_observer_routes_read_outs_aborts_and_latches():
     sched = _decode(reader)
     plan = m.plan_step(sched)
     rb = Readback(4, 4, L, 4, torch.device("cpu"))
-    plan.bind(rb, *(torch.from_numpy(np.asarray(getattr(plan.steer_tokens, f))) for f in
-                    ("rows", "latched", "decode", "gain", "read_rows", "carry")))  # fmt: skip
+    st = plan.steer_tokens
+    plan.bind(rb, *(torch.from_numpy(np.asarray(getattr(st, f))) for f in STEER_FIELDS))
     iv = reader.interventions
     flat = rb.scores[0].view(-1)
     flat[torch.from_numpy(iv.probe_flat)] = torch.tensor([0.5, -0.25, 0.75])  # p, q, abort
