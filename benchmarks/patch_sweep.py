@@ -3,9 +3,11 @@
 One layers x positions activation-patching grid at one site (post_block) runs in this one
 process through:
 
-1. **coxswain**: `Sweep(engine, SweepSpec(...)).run()`, the whole sweep timed (clean capture,
-   baselines, every cell and the in-batch control), prefix caching on, so every cell reuses
-   the corrupt prompt's KV blocks before its patched position.
+1. **coxswain**: `Sweep(engine, SweepSpec(...), executor=...).run()`, the whole sweep timed
+   (baselines, every cell and the control), once per executor in `--executors`:
+   `patch_pass` (layered passes where each cell starts at its patched site) and `requests`
+   (one patched request per cell, prefix caching on, so each cell reuses the corrupt
+   prompt's KV blocks before its patched position).
 2. **hf hooks**: the reference researchers write today: one forward on the clean prompt that
    records every layer's output with hooks, one unpatched forward on the corrupt prompt, then
    one forward per cell on the corrupt prompt with a forward hook on decoder layer L that
@@ -52,6 +54,7 @@ from services.engine.model.config import load_model_config
 from services.engine.sweep import Sweep, SweepSpec
 
 SITE = "post_block"
+HF_LOOP = "hf hooks (1 cell/forward)"
 FP32_TOLERANCE = 1e-3  # grids further apart than this in float32 mean one system is wrong
 
 
@@ -116,7 +119,9 @@ def metric_of(logits: torch.Tensor, answer: int, foil: int | None) -> torch.Tens
 # -- Coxswain ----------------------------------------------------------------------------
 
 
-def run_coxswain(engine: LLMEngine, case: Case, metric: str, device: torch.device) -> SweepRun:
+def run_coxswain(
+    engine: LLMEngine, case: Case, metric: str, device: torch.device, executor: str
+) -> SweepRun:
     """The whole sweep, from building the Sweep to its graded grid."""
     before = engine.stats()
     sync(device)
@@ -131,7 +136,7 @@ def run_coxswain(engine: LLMEngine, case: Case, metric: str, device: torch.devic
         sites=[SITE],
         metric=metric,  # type: ignore[arg-type]
     )
-    res = Sweep(engine, spec).run()
+    res = Sweep(engine, spec, executor=executor).run()  # type: ignore[arg-type]
     sync(device)
     seconds = time.perf_counter() - start
     after = engine.stats()
@@ -140,6 +145,8 @@ def run_coxswain(engine: LLMEngine, case: Case, metric: str, device: torch.devic
         "num_prompt_tokens_computed",
         "prefix_cache_hits",
         "num_preemptions",
+        "num_patch_passes",
+        "num_patch_pass_tokens",
     )
     stats = {k: after[k] - before[k] for k in counters}
     stats["noise_floor"] = res.noise_floor  # type: ignore[assignment]
@@ -298,6 +305,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--metric", choices=["logit_diff", "logprob"], default="logit_diff")
     e = p.add_argument_group("engines")
     e.add_argument("--hf-batch-size", type=int, default=64, help="0: skip the batched variant")
+    e.add_argument(
+        "--executors",
+        default="patch_pass,requests",
+        help="Coxswain's ways to run the cells, comma-separated; the first is compared",
+    )
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=8192)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -329,7 +341,7 @@ def hf_sweeps(
         case.answer, second = top2.indices.tolist()
         case.foil = second if args.metric == "logit_diff" else None
     runs: dict[str, Callable[[Case], SweepRun]] = {
-        "hf hooks (1 cell/forward)": lambda c: run_hf(model, c, layers, positions, device)
+        HF_LOOP: lambda c: run_hf(model, c, layers, positions, device)
     }
     if args.hf_batch_size > 0:
         runs[f"hf hooks batched ({args.hf_batch_size} cells/forward)"] = lambda c: run_hf(
@@ -395,10 +407,13 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
             seed=args.seed,
         ),
     )
-    run_coxswain(engine, cases[0], args.metric, device)
-    cox = SystemResult(
-        "coxswain Sweep", [run_coxswain(engine, c, args.metric, device) for c in cases[1:]]
-    )
+    coxes = []
+    for executor in args.executors.split(","):
+        run_coxswain(engine, cases[0], args.metric, device, executor)
+        runs = [run_coxswain(engine, c, args.metric, device, executor) for c in cases[1:]]
+        coxes.append(SystemResult(f"coxswain Sweep ({executor})", runs))
+    cox, *others = coxes
+    results = {**{r.name: r for r in others}, **results}
 
     print()
     print(f"{'system':<36} {'cells':>6} {'seconds':>8} {'cells/s':>9}  all runs (s)")
@@ -411,10 +426,11 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
     print("seconds: the whole sweep (clean capture, clean and corrupt baselines, every cell)")
     s = cox.best.stats
     print(
-        f"coxswain: {s['num_steps']} engine steps, {s['num_prompt_tokens_computed']} prompt "
-        f"tokens computed ({s['prefix_cache_hits']} read from the prefix cache), "
+        f"{cox.name}: {s['num_patch_passes']} patch passes of {s['num_patch_pass_tokens']} "
+        f"rows, {s['num_steps']} engine steps, {s['num_prompt_tokens_computed']} prompt tokens "
+        f"computed ({s['prefix_cache_hits']} read from the prefix cache), "
         f"{s['num_preemptions']} preemptions, noise floor {s['noise_floor']:.2e}; "
-        f"hf hooks compute {(n_cells + 2) * N} prompt tokens"
+        f"hf hooks compute {(n_cells + 2) * N} prompt tokens through all {L} layers"
     )
 
     # Correctness next to speed: a fast grid that is wrong is worth nothing. A void or missing
@@ -434,13 +450,13 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         )
         base = max(max(abs(a.clean - b.clean), abs(a.corrupt - b.corrupt)) for a, b in pairs)
         print(
-            f"agreement coxswain vs {r.name}: max |grid diff| = {diff:.2e}, "
+            f"agreement {cox.name} vs {r.name}: max |grid diff| = {diff:.2e}, "
             f"max |baseline diff| = {base:.2e} (over {args.repeats} sweeps; largest |value| "
             f"{scale:.3g})"
         )
         if fp32 and max(diff, base) > tolerance:
             print(
-                f"WARNING: coxswain and {r.name} disagree by more than {tolerance:.2e} in fp32 "
+                f"WARNING: {cox.name} and {r.name} disagree by more than {tolerance:.2e} in fp32 "
                 f"({FP32_TOLERANCE} x max(1, largest |value|))"
             )
         if not fp32:
@@ -460,9 +476,11 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
 
     # The per-cell loop is the reference researchers write, so its ratio comes last (grep it).
     print()
-    for r in [*list(results.values())[1:], next(iter(results.values()))]:
+    loop = HF_LOOP
+    for r in [*(r for name, r in results.items() if name != loop), results[loop]]:
         print(
-            f"sweep throughput ratio coxswain / {r.name} = {r.best.seconds / cox.best.seconds:.2f}x"
+            f"sweep throughput ratio {cox.name} / {r.name} = "
+            f"{r.best.seconds / cox.best.seconds:.2f}x"
         )
 
 

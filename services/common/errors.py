@@ -92,6 +92,11 @@ class TooLargeError(InvalidRequestError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
+class PatchPassUnavailableError(InvalidRequestError):
+    """A layered patching pass cannot run on this engine now (its message says why); a
+    sweep that chose its executor automatically runs its cells as requests instead."""
+
+
 class ServiceUnavailableError(CoxswainError):
     """A service Coxswain called did not answer in time or could not be reached."""
 

@@ -21,6 +21,7 @@ from services.common.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     NotFoundError,
+    PatchPassUnavailableError,
     PromptTooLongError,
     RequestNotFoundError,
 )
@@ -34,6 +35,7 @@ from services.engine.interventions.planner import Readback
 from services.engine.interventions.vectors import VectorRegistry
 from services.engine.kv.block_manager import BlockManager
 from services.engine.model.config import load_model_config
+from services.engine.model.patch_pass import PassJob, PassResult, run_patch_pass
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.model_runner import (
     ModelRunner,
@@ -158,6 +160,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
+        self.num_patch_passes = 0
+        self.num_patch_pass_tokens = 0  # rows patch passes computed, each member's once
 
     def _generation_eos_ids(self) -> list[int]:
         path = self.model_dir / "generation_config.json"
@@ -579,6 +583,36 @@ class LLMEngine:
                 delta.capture_run, delta.capture_error = iv.capture_run, iv.capture_error
         return delta
 
+    # -- patch passes ---------------------------------------------------------------------
+
+    def patch_pass_unavailable(self) -> str | None:
+        """Why `run_patch_pass` cannot run on this engine now, in words (None: it can)."""
+        if self.sync is not None or self.runner.ctx.world_size > 1:
+            return "the replica spans several processes (tensor or pipeline parallel)"
+        if self.interventions.steers_prefill_globally():
+            return "global prefill steering is installed, and a pass applies no steering"
+        return None
+
+    def run_patch_pass(self, job: PassJob) -> PassResult:
+        """Run one layered patching pass (`model/patch_pass.py`) between steps: the corrupt
+        prompt, the clean one and every cell of `job` in one forward. Pending actions apply
+        first, as at the top of a step; InvalidRequestError if a pass cannot run here."""
+        why = self.patch_pass_unavailable()
+        if why is None:  # a one-process replica applies its own queue
+            self.interventions.apply_actions()
+            why = self.patch_pass_unavailable()
+        if why is not None:
+            raise PatchPassUnavailableError(f"a patch pass cannot run on this engine: {why}")
+        H = self.model_config.hidden_size
+        if job.source_rows is not None and job.source_rows.shape[-1] != H:
+            raise InvalidRequestError(
+                f"patch rows have width {job.source_rows.shape[-1]}, the model's hidden size is {H}"
+            )
+        result = run_patch_pass(self.runner.model, job)
+        self.num_patch_passes += 1
+        self.num_patch_pass_tokens += job.num_tokens
+        return result
+
     # -- steering control -----------------------------------------------------------------
 
     def set_global_steering(self, steering: Any) -> None:
@@ -629,6 +663,8 @@ class LLMEngine:
             "num_graph_steps": self.runner.num_graph_steps,
             "num_steered_graph_steps": self.runner.num_steered_graph_steps,
             "num_eager_steps": self.runner.num_eager_steps,
+            "num_patch_passes": self.num_patch_passes,
+            "num_patch_pass_tokens": self.num_patch_pass_tokens,
             "config": asdict(self.config),
         }
 

@@ -34,9 +34,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from services.common.errors import CoxswainError, InvalidRequestError, RunNotFoundError
+from services.common.errors import (
+    CoxswainError,
+    InvalidRequestError,
+    PatchPassUnavailableError,
+    RunNotFoundError,
+)
 from services.engine.interventions.sites import parse_site, site_key
 from services.engine.llm_engine import LLMEngine
+from services.engine.model.patch_pass import PassCell, PassJob, PassResult, plan_passes
 from services.engine.outputs import OutputAccumulator, RequestDelta, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
@@ -46,6 +52,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Metric = Literal["logprob", "logit_diff", "recovered"]
+# How cells run: one layered forward per batch of cells (`model/patch_pass.py`), or one
+# patched request per cell through the scheduler; "auto" takes the pass wherever it can run.
+Executor = Literal["auto", "patch_pass", "requests"]
+EXECUTORS = ("auto", "patch_pass", "requests")
 
 # A sweep leases the run version it reads for this long (released when it ends).
 SWEEP_LEASE_TTL_S = 600.0
@@ -101,6 +111,7 @@ class SweepResult:
     tokens: list[str]
     cells: list[Cell]
     run_ref: str | None = None  # the stored run version every cell read, "<run>@<version>"
+    executor: str = "requests"  # how the cells ran: "patch_pass" or "requests"
 
     def to_numpy(self) -> np.ndarray:
         return self.grid.copy()
@@ -178,6 +189,9 @@ class SweepDriver(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a request the sweep no longer wants (a no-op if it already finished)."""
 
+    def run_pass(self, job: PassJob) -> PassResult:
+        """Run one patching pass on the engine, between its steps."""
+
     def interrupt(self) -> None:
         """Make a blocked `finals()` stop soon, raising CoxswainError (from another thread)."""
 
@@ -219,6 +233,9 @@ class StepDriver:
         if request_id in self.engine.requests:
             self.engine.abort(request_id)
 
+    def run_pass(self, job: PassJob) -> PassResult:
+        return self.engine.run_patch_pass(job)
+
     def interrupt(self) -> None:
         pass  # finals() returns after the step in progress: it never waits on anyone else
 
@@ -234,6 +251,7 @@ class AsyncLLMDriver:
         self.llm = llm
         self._totals = OutputAccumulator()  # touched in the engine thread only
         self._finals: queue.Queue[Final | None] = queue.Queue()
+        self._interrupted = False
 
     def start(self) -> None:
         pass
@@ -263,7 +281,13 @@ class AsyncLLMDriver:
     def abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
 
+    def run_pass(self, job: PassJob) -> PassResult:
+        if self._interrupted:
+            raise CoxswainError("the sweep was interrupted")
+        return self.llm.call(lambda engine: engine.run_patch_pass(job))
+
     def interrupt(self) -> None:
+        self._interrupted = True
         self._finals.put(None)
 
 
@@ -271,18 +295,33 @@ class Sweep:
     """A causal-tracing sweep over one engine; `run()` for the whole grid, `iter_cells()` /
     `cells()` to stream cells as they finish. A Sweep runs once.
 
-    `driver` decides how its requests run: `StepDriver(engine)` (the default) steps an
-    otherwise idle engine; `AsyncLLMDriver(llm)` sends them through a served engine's
+    `driver` decides how its work reaches the engine: `StepDriver(engine)` (the default)
+    runs on an otherwise idle engine; `AsyncLLMDriver(llm)` goes through a served engine's
     `AsyncLLM` (pass `llm.engine` as `engine`: it is read for validation only).
+
+    `executor` decides how cells run. "patch_pass" runs them in layered forwards where each
+    cell starts at its patched site (`model/patch_pass.py`), between the engine's steps;
+    "requests" adds one patched request per cell to the continuous batch. "auto" (the
+    default) takes the pass unless the engine cannot run one (a multi-process replica,
+    global prefill steering) or the prompts outgrow `max_num_batched_tokens`, and says why
+    in the log; `executor="patch_pass"` makes that an error instead.
     """
 
-    def __init__(self, engine: LLMEngine, spec: SweepSpec, driver: SweepDriver | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        spec: SweepSpec,
+        driver: SweepDriver | None = None,
+        executor: Executor = "auto",
+    ):
         self.engine, self.spec = engine, spec
         self.driver: SweepDriver = driver or StepDriver(engine)
         self._tag = f"sweep-{uuid.uuid4().hex[:8]}"
         self._started = False
         self.run_ref: str | None = None  # set by _check_run for a stored source run
         self._validate()
+        self._executor_asked = executor
+        self.executor = self._choose_executor(executor)
 
     # -- validation (before anything runs) ----------------------------------------------
 
@@ -332,6 +371,32 @@ class Sweep:
                 "no position of this sweep can be patched: "
                 + skipped_reason(self.alignment, self.skipped, len(self.corrupt_ids))
             )
+
+    def _choose_executor(self, wanted: str) -> str:
+        if wanted not in EXECUTORS:
+            raise InvalidRequestError(f"executor must be one of {EXECUTORS}, got {wanted!r}")
+        if wanted == "requests":
+            return wanted
+        why = self._pass_unavailable()
+        if why is None:
+            return "patch_pass"
+        if wanted == "patch_pass":
+            raise PatchPassUnavailableError(f"executor 'patch_pass' cannot run this sweep: {why}")
+        log.info("sweep %s runs its cells as patched requests: %s", self._tag, why)
+        return "requests"
+
+    def _pass_unavailable(self) -> str | None:
+        why = self.engine.patch_pass_unavailable()
+        if why is not None:
+            return why
+        budget = self.engine.config.max_num_batched_tokens
+        n, n_clean = len(self.corrupt_ids), len(self.clean_ids or [])
+        if 3 * n + n_clean > budget:  # corrupt, control, clean and one whole cell
+            return (
+                "a pass holds the corrupt prompt twice, the clean one and a cell "
+                f"({3 * n + n_clean} rows), more than max_num_batched_tokens={budget}"
+            )
+        return None
 
     def _text_spans(self, positions: Any) -> Any:
         """Positions with each text span replaced by the token positions that cover it."""
@@ -463,11 +528,10 @@ class Sweep:
             if isinstance(graded, str):
                 raise CoxswainError(f"sweep baseline {rid!r} failed: {graded}")
             results[rid] = graded
-        self._raw_corrupt = self._raw(*results[f"{self._tag}-corrupt"])
-        self._raw_clean: float | None = None
+        clean_raw = None
         self._rows: dict[tuple[int, str], Any] = {}
         if self.clean_ids is not None:
-            self._raw_clean = self._raw(*results[f"{self._tag}-clean"])
+            clean_raw = self._raw(*results[f"{self._tag}-clean"])
             clean_out = done[f"{self._tag}-clean"]
             if spec.source_run is None:
                 assert isinstance(clean_out, RequestOutput) and clean_out.captures is not None
@@ -476,7 +540,11 @@ class Sweep:
                 for s in self.sites:
                     for L in self.layers:
                         self._rows[(L, s)] = clean_out.captures[site_key(L, s)]  # [P, H]
-        if spec.metric == "recovered" and self._raw_clean == self._raw_corrupt:
+        self._set_baselines(self._raw(*results[f"{self._tag}-corrupt"]), clean_raw)
+
+    def _set_baselines(self, raw_corrupt: float, raw_clean: float | None) -> None:
+        self._raw_corrupt, self._raw_clean = raw_corrupt, raw_clean
+        if self.spec.metric == "recovered" and self._raw_clean == self._raw_corrupt:
             raise InvalidRequestError(
                 "metric 'recovered' is undefined: the clean and corrupt baselines are equal"
             )
@@ -503,39 +571,56 @@ class Sweep:
         }
 
     def iter_cells(self) -> Generator[Cell, None, None]:
-        """Run the baselines, then every cell in one batch; yield each cell as it finishes
-        (void cells included, skipped ones not). Closing the generator early aborts the
-        sweep's unfinished requests."""
+        """Run the baselines, then every cell; yield each cell as it finishes (void cells
+        included, skipped ones not). Closing the generator early stops the sweep (aborting
+        its unfinished requests)."""
         if self._started:
             raise InvalidRequestError("this sweep has already run")
         self._started = True
         self.driver.start()
         self.cells_done: list[Cell] = []
-        ours: set[str] = set()
         leased = self._lease_run()
+        run = self._pass_cells() if self.executor == "patch_pass" else self._request_cells()
+        try:
+            with contextlib.closing(run):
+                for cell in run:
+                    self.cells_done.append(cell)
+                    yield cell
+        finally:
+            if leased:
+                self._release_run()
+
+    def _grid_cells(self) -> Iterator[tuple[Cell, int]]:
+        """Every cell of the grid with the clean position it patches from (skipped ones not)."""
+        for s in self.sites:
+            for L in self.layers:
+                for p in self.positions:
+                    q = clean_position(self.alignment, p)
+                    if q is not None:
+                        yield Cell(L, s, p), q
+
+    def _request_cells(self) -> Generator[Cell, None, None]:
+        """The baselines, then one patched request per cell, all in one continuous batch."""
+        ours: set[str] = set()
         try:
             self._baselines()
             control = f"{self._tag}-control"
             self.driver.add(control, self.corrupt_ids, self._params())
             ours.add(control)
             by_id: dict[str, Cell] = {}
-            for s in self.sites:
-                for L in self.layers:
-                    for p in self.positions:
-                        q = clean_position(self.alignment, p)
-                        if q is None:
-                            continue
-                        cell, rid = Cell(L, s, p), f"{self._tag}-{L}.{s}.{p}"
-                        try:
-                            params = self._params(patch=[self._patch_entry(L, s, p, q)])
-                            self.driver.add(rid, self.corrupt_ids, params)
-                        except CoxswainError as exc:
-                            cell.void = f"{type(exc).__name__}: {exc}"
-                            self.cells_done.append(cell)
-                            yield cell
-                            continue
-                        by_id[rid] = cell
-                        ours.add(rid)
+            for cell, q in self._grid_cells():
+                rid = f"{self._tag}-{cell.layer}.{cell.site}.{cell.position}"
+                try:
+                    params = self._params(
+                        patch=[self._patch_entry(cell.layer, cell.site, cell.position, q)]
+                    )
+                    self.driver.add(rid, self.corrupt_ids, params)
+                except CoxswainError as exc:
+                    cell.void = f"{type(exc).__name__}: {exc}"
+                    yield cell
+                    continue
+                by_id[rid] = cell
+                ours.add(rid)
             for rid, out in self.driver.finals(set(ours)):
                 ours.discard(rid)
                 graded = self._grade(out)
@@ -548,15 +633,109 @@ class Sweep:
                 if isinstance(graded, str):
                     cell.void = graded
                 else:
-                    cell.logprob_answer, cell.logprob_foil = graded
-                    cell.value = self._value_of_raw(self._raw(*graded))
-                self.cells_done.append(cell)
+                    self._set_value(cell, *graded)
                 yield cell
         finally:
             for rid in ours:
                 self.driver.abort(rid)
-            if leased:
-                self._release_run()
+
+    def _set_value(self, cell: Cell, answer: float, foil: float | None) -> None:
+        cell.logprob_answer, cell.logprob_foil = answer, foil
+        cell.value = self._value_of_raw(self._raw(answer, foil))
+
+    def _cannot_change(self, cell: Cell) -> bool:
+        """Whether the cell's patch cannot move the answer, so its value is the corrupt
+        baseline exactly: a position of the prompts' common prefix, whose residual at every
+        site is the same in both runs (the clean prompt's, run beside it, is the source),
+        or a row of the last layer's output other than the last."""
+        if self.run_ref is None and cell.position < self.alignment["prefix_len"]:
+            return True
+        last_layer = self.engine.model_config.num_layers - 1
+        return (
+            cell.site == "post_block"
+            and cell.layer == last_layer
+            and cell.position != len(self.corrupt_ids) - 1
+        )
+
+    def _pass_cells(self) -> Generator[Cell, None, None]:
+        """Every cell in layered patching passes (`model/patch_pass.py`): the first pass
+        also gives the baselines and an in-pass control; each later pass re-runs the corrupt
+        prompt, whose distance from the first one's counts towards the noise floor."""
+        runs: list[tuple[Cell, PassCell]] = []
+        same: list[Cell] = []
+        for cell, q in self._grid_cells():
+            if self._cannot_change(cell):
+                same.append(cell)
+            else:
+                runs.append((cell, PassCell(cell.layer, cell.site, cell.position, q)))
+        token_ids = [self.answer] if self.foil is None else [self.answer, self.foil]
+        n_clean = len(self.clean_ids) if self.clean_ids is not None else 0
+        budget = self.engine.config.max_num_batched_tokens
+        passes = plan_passes([pc for _, pc in runs], len(self.corrupt_ids), n_clean, budget)
+        corrupt_raw = 0.0
+        for i, chunk in enumerate(passes or [[]]):
+            cells = [runs[k][0] for k in chunk]
+            pass_cells, rows = [runs[k][1] for k in chunk], None
+            if self.run_ref is not None and pass_cells:
+                try:  # each cell's row is row k of this pass's stored rows
+                    rows = self._stored_rows(pass_cells)
+                    pass_cells = [
+                        PassCell(c.layer, c.site, c.position, k) for k, c in enumerate(pass_cells)
+                    ]
+                except CoxswainError as exc:  # the version is gone: no number from other rows
+                    for cell in cells:
+                        cell.void = f"{type(exc).__name__}: {exc}"
+                    cells, pass_cells = [], []
+            if i > 0 and not pass_cells:
+                yield from (runs[k][0] for k in chunk)
+                continue
+            job = PassJob(
+                self.corrupt_ids,
+                pass_cells,
+                token_ids,
+                alpha=self.spec.alpha,
+                clean_ids=self.clean_ids,
+                source_rows=rows,
+                with_control=i == 0,
+            )
+            try:
+                res = self.driver.run_pass(job)
+            except PatchPassUnavailableError as exc:
+                # The engine changed since the sweep chose (global steering applied
+                # meanwhile): before any cell is out, "auto" can still switch.
+                if i > 0 or self._executor_asked != "auto":
+                    raise
+                log.info("sweep %s runs its cells as patched requests: %s", self._tag, exc)
+                self.executor = "requests"
+                yield from self._request_cells()
+                return
+            raw = self._raw(*self._logprobs(res.corrupt))
+            if i == 0:
+                corrupt_raw = raw
+                clean_raw = None if res.clean is None else self._raw(*self._logprobs(res.clean))
+                self._set_baselines(raw, clean_raw)
+                assert res.control is not None
+                control = self._value_of_raw(self._raw(*self._logprobs(res.control)))
+                self.noise_floor = abs(control - self.corrupt)
+                for cell in same:
+                    self._set_value(cell, *self._logprobs(res.corrupt))
+                    yield cell
+            else:
+                drift = abs(self._value_of_raw(raw) - self._value_of_raw(corrupt_raw))
+                self.noise_floor = max(self.noise_floor, drift)
+            for k, cell in enumerate(cells):
+                self._set_value(cell, *self._logprobs(res.cells[k]))
+            yield from (runs[k][0] for k in chunk)
+
+    def _logprobs(self, lp: Any) -> tuple[float, float | None]:
+        """(answer, foil) of a pass member's logprobs of [answer(, foil)]."""
+        values = lp.tolist()
+        return values[0], (values[1] if self.foil is not None else None)
+
+    def _stored_rows(self, cells: list[PassCell]) -> Any:
+        """`[len(cells), H]` patch rows from the run version the sweep leased."""
+        store = self.engine.interventions.patch_sources
+        return store.get_rows(self.run_ref, [(c.layer, c.site, c.source) for c in cells])
 
     def _lease_run(self) -> bool:
         """Lease the run version the cells read; False when there is none to lease. A version
@@ -634,4 +813,5 @@ class Sweep:
             tokens=[tok.decode([t], skip_special_tokens=False) for t in self.corrupt_ids],
             cells=list(self.cells_done),
             run_ref=self.run_ref,
+            executor=self.executor,
         )

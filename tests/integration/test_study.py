@@ -176,7 +176,7 @@ def test_without_a_store_capture_clean_keeps_the_prompt(path, full):
     res = study.sweep(CORRUPT, ANSWER, FOIL, sites=["post_block"], layers=[0, 1])
     assert run == "kept" and "inline" in res.source and res.run == "kept"
     assert np.allclose(res.grid[0], full.grid[0, :2], atol=1e-4, rtol=0)
-    assert study.engine.num_steps > 0 and not study.engine.has_unfinished_requests()
+    assert study.engine.num_patch_passes > 0 and not study.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(

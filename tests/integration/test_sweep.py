@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, RunNotFoundError
 from services.engine import SamplingParams
 from services.engine.sweep import StepDriver, Sweep, SweepSpec, align
 from tests.integration.test_steering import _engine, _prompt, _run
@@ -144,14 +144,15 @@ def test_a_stored_run_sweeps_like_the_captured_clean_prompt(path, full):
     assert not engine.has_unfinished_requests()
 
 
-def _stored_clean(path):
+def _stored_clean(path, **config):
     """An engine with a store holding the clean prompt's post_block rows as run "clean"."""
     from services.engine import LLMEngine
     from services.engine.config import EngineConfig
     from services.patch_store.store import PatchStore
 
     store = PatchStore(budget_bytes=16 << 20)
-    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="float32"), patch_store=store)
+    config = EngineConfig(device="cpu", dtype="float32", **config)
+    engine = LLMEngine(path, config, patch_store=store)
     capture = {"sites": {"post_block": "all"}, "positions": "all_prompt"}
     capture |= {"sink": "patch_store", "run": "clean"}
     _run(engine, {"c": (CLEAN, SamplingParams(max_tokens=1, capture=capture))})
@@ -168,37 +169,59 @@ def _recapture(store, seed: int) -> int:
 
 
 class RecapturingDriver(StepDriver):
-    """Steps the engine like the default driver, and overwrites the sweep's run in the middle
-    of adding its cells: the race a served sweep has with a re-capture of its run id."""
+    """Runs the sweep like the default driver, and overwrites the sweep's run once it has
+    sent `after_cells` cells (as requests, or in passes): the race a served sweep has with a
+    re-capture of its run id."""
 
     def __init__(self, engine, store, after_cells: int):
         super().__init__(engine)
         self.store, self.after_cells, self.cells_added = store, after_cells, 0
         self.new_version: int | None = None
 
+    def _sent(self, cells: int) -> None:
+        self.cells_added += cells
+        if self.new_version is None and self.cells_added >= self.after_cells:
+            self.new_version = _recapture(self.store, seed=5)
+
     def add(self, request_id, prompt_ids, params):
         super().add(request_id, prompt_ids, params)
         if params.patch:
-            self.cells_added += 1
-            if self.cells_added == self.after_cells:
-                self.new_version = _recapture(self.store, seed=5)
+            self._sent(1)
+
+    def run_pass(self, job):
+        result = super().run_pass(job)
+        self._sent(len(job.cells))
+        return result
 
 
-def test_a_run_re_captured_mid_sweep_leaves_every_cell_on_the_version_it_leased(path, full):
-    engine, store = _stored_clean(path)
+@pytest.mark.parametrize("executor", ["requests", "patch_pass"])
+def test_a_run_re_captured_mid_sweep_leaves_every_cell_on_the_version_it_leased(
+    path, full, executor
+):
+    # A small token budget splits the passes, so most cells run after the overwrite.
+    engine, store = _stored_clean(path, max_num_batched_tokens=64)
     leased = store.manifests(["clean"])[0]
     driver = RecapturingDriver(engine, store, after_cells=3)
     spec = _spec(clean_prompt=None, source_run="clean", layers=[0, 1, 2])
-    res = Sweep(engine, spec, driver).run()
+    res = Sweep(engine, spec, driver, executor=executor).run()
+    assert res.executor == executor
     assert driver.new_version is not None and driver.new_version > leased.version
-    assert driver.cells_added == 3 * N > 3  # most cells were added after the overwrite
+    # Most cells were sent after the overwrite (a pass does not run the last layer's rows
+    # before the last: they cannot move the answer).
+    assert driver.cells_added == (3 * N if executor == "requests" else 2 * N + 1)
+    if executor == "patch_pass":
+        assert engine.num_patch_passes > 2
     # Every cell read the version the sweep leased: the clean grid, to the last cell.
     assert res.run_ref == leased.ref and not res.void
     assert np.allclose(res.grid[0], full.grid[0], atol=1e-4, rtol=0)
     # The re-capture is the run now; the sweep released its lease on the old version (which
     # lives on only while the engine's own lease on it, from patching, runs).
     assert store.manifests(["clean"])[0].version == driver.new_version
-    assert store.manifests([leased.ref])[0].holders == (engine.interventions.lease_holder,)
+    if executor == "requests":
+        assert store.manifests([leased.ref])[0].holders == (engine.interventions.lease_holder,)
+    else:  # the sweep's lease was the only one on it: released, the old version is gone
+        with pytest.raises(RunNotFoundError, match="overwritten"):
+            store.manifests([leased.ref])
     assert not engine.has_unfinished_requests()
 
 
@@ -278,3 +301,97 @@ def test_text_spans_select_the_tokens_that_cover_them(path):
     )
     with pytest.raises(InvalidRequestError, match="as a string"):
         Sweep(engine, ids_prompt)
+
+
+# -- the layered patching pass against one patched request per cell ----------------------
+
+
+def _windowed(tiny_checkpoint, tmp_path_factory, window: int):
+    """The tiny Mistral with a sliding window shorter than the prompts."""
+    import json
+    import shutil
+
+    src = tiny_checkpoint("mistral", layers=3)
+    path = tmp_path_factory.mktemp("mistral-window") / "model"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sliding_window"] = window
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral-window4"])
+def test_the_pass_and_patched_requests_give_one_grid_at_every_site(
+    tiny_checkpoint, tmp_path_factory, family
+):
+    if family == "mistral-window4":
+        model = _windowed(tiny_checkpoint, tmp_path_factory, 4)
+    else:
+        model = tiny_checkpoint(family, layers=3)
+    spec = dict(sites=["pre_attn", "post_attn", "post_block"], alpha=0.5)
+    by_pass = Sweep(_engine(model), _spec(**spec), executor="patch_pass").run()
+    by_requests = Sweep(_engine(model), _spec(**spec), executor="requests").run()
+    assert (by_pass.executor, by_requests.executor) == ("patch_pass", "requests")
+    assert not np.isnan(by_pass.grid).any() and not by_pass.void
+    np.testing.assert_allclose(by_pass.grid, by_requests.grid, atol=1e-4, rtol=0)
+    assert by_pass.clean == pytest.approx(by_requests.clean, abs=1e-4)
+    assert by_pass.corrupt == pytest.approx(by_requests.corrupt, abs=1e-4)
+    # The grid moves: a pass that patched nothing would be the corrupt value everywhere.
+    assert np.abs(by_pass.grid - by_pass.corrupt).max() > 0.1
+    # One cell per site against transformers with the same half-way edit hooked in.
+    clean = hf_residuals(model, CLEAN, [(1, s) for s in spec["sites"]])
+    for i, s in enumerate(spec["sites"]):
+        ref = hf_edited_logprobs(model, CORRUPT, {(1, s): _replace(5, clean[(1, s)][5], 0.5)})
+        want = float(ref[N - 1, ANSWER] - ref[N - 1, FOIL])
+        assert by_pass.grid[i, 1, 5] == pytest.approx(want, abs=1e-4), s
+
+
+def test_a_pass_runs_each_cell_from_its_site_and_copies_unchanged_cells(path):
+    shared = 4  # the prompts' common prefix
+    corrupt = CLEAN[:shared] + CORRUPT[shared:]
+    engine = _engine(path)
+    spec = _spec(corrupt_prompt=corrupt, sites=["post_block", "pre_attn"])
+    res = Sweep(engine, spec, executor="patch_pass").run()
+    ref = Sweep(_engine(path), spec, executor="requests").run()
+    np.testing.assert_allclose(res.grid, ref.grid, atol=1e-4, rtol=0)
+    # Cells of the common prefix, and last-layer outputs other than the last row, cannot
+    # move the answer: they are the corrupt value itself, not a re-run near it.
+    assert (res.grid[:, :, :shared] == res.corrupt).all()
+    assert (res.grid[0, 2, : N - 1] == res.corrupt).all()
+    # Every other cell starts at its site: (N - p) rows, plus the corrupt prompt, the
+    # in-pass control and the clean prompt once each.
+    computed = [(s, L, p) for s in spec.sites for L in range(3) for p in range(shared, N)]
+    computed = [c for c in computed if c[:2] != ("post_block", 2) or c[2] == N - 1]
+    stats = engine.stats()
+    assert stats["num_patch_passes"] == 1 and stats["num_steps"] == 0
+    assert stats["num_patch_pass_tokens"] == 3 * N + sum(N - p for *_, p in computed)
+
+
+def test_passes_split_by_the_token_budget_give_the_one_pass_grid(path, full):
+    engine = _engine(path, max_num_batched_tokens=3 * N + N + 2)  # about one cell per pass
+    res = Sweep(engine, _spec(sites=SITES), executor="patch_pass").run()
+    assert engine.num_patch_passes > 10
+    np.testing.assert_allclose(res.grid, full.grid, atol=1e-4, rtol=0)
+    assert 0 <= res.noise_floor < 1e-4  # later passes' corrupt re-runs count towards it
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens=40"):
+        Sweep(_engine(path, max_num_batched_tokens=40), _spec(), executor="patch_pass")
+    small = Sweep(_engine(path, max_num_batched_tokens=40), _spec(layers=[1], positions=[5]))
+    assert small.executor == "requests"  # "auto" runs what a pass cannot hold as requests
+
+
+def test_global_prefill_steering_runs_the_cells_as_steered_requests(path, full):
+    from tests.integration.test_steering import _vec
+
+    engine = _engine(path)
+    steer = {"vectors": [{"layers": [1], "site": "post_block", "vector": _vec(3, 64).tolist()}]}
+    engine.set_global_steering(steer)  # queued: applies at the top of the next step or pass
+    spec = _spec(layers=[1, 2], positions=[3, N - 1])
+    res = Sweep(engine, spec).run()
+    assert res.executor == "requests"  # a pass applies no steering: it is never taken
+    steered = Sweep(_engine(path), spec, executor="requests")
+    steered.engine.set_global_steering(steer)
+    want = steered.run()
+    np.testing.assert_allclose(res.grid, want.grid, atol=1e-4, rtol=0)
+    assert np.abs(res.grid - full.grid[0][[1, 2]][:, [3, N - 1]]).max() > 1e-2
+    with pytest.raises(InvalidRequestError, match="global prefill steering"):
+        Sweep(engine, spec, executor="patch_pass")

@@ -414,6 +414,10 @@ class InterventionManager:
 
     # -- global steering ------------------------------------------------------------------
 
+    def steers_prefill_globally(self) -> bool:
+        """Whether global steering touches prompt tokens (every prefill is steered)."""
+        return not self.global_rows["prefill"].is_empty
+
     def check_global(self, spec: Any) -> ResolvedSteering | None:
         """Resolve engine-wide steering (vectors only); InvalidRequestError on bad input."""
         return resolve_global(self.resolver, spec)

@@ -61,7 +61,11 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of the normed residual `x`, with
+        the per-head norms (Qwen3) and RoPE applied: what attention reads and caches."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -70,6 +74,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.project(positions, x)
         assert self.kv_cache is not None, "the runner must attach a KV cache before forward"
         o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
