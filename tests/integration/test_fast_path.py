@@ -278,6 +278,39 @@ def test_what_the_next_plan_needs_turns_overlap_off(model_dir):
     assert engine._can_overlap()
 
 
+def test_a_capture_or_patch_whose_positions_are_all_computed_lets_steps_overlap(model_dir):
+    """A last-prompt capture and a prompt patch read nothing back once their prefill is done:
+    the decode after it overlaps, and what they captured and patched is what a run without
+    overlap gives."""
+    H = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32")).model_config.hidden_size
+    capture = {"sites": {s: "all" for s in ("pre_attn", "post_attn", "post_block")}}
+    patch = [{"layer": 0, "site": "post_block", "position": 2, "source": {"vector": [0.5] * H}}]
+    requests = {
+        "c": (PROMPTS[0], SamplingParams(max_tokens=6, capture=capture, ignore_eos=True)),
+        "p": (PROMPTS[1], SamplingParams(max_tokens=6, patch=patch, ignore_eos=True)),
+    }
+    results = []
+    for overlap in (True, False):
+        cfg = EngineConfig(device="cpu", dtype="float32", async_scheduling=overlap)
+        engine = LLMEngine(model_dir, cfg)
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        assert not engine._can_overlap()  # the prefill captures and patches
+        totals, done, overlapped = OutputAccumulator(), {}, 0
+        while engine.has_unfinished_requests():
+            for out in totals.finished(engine.step()):
+                done[out.request_id] = out
+            overlapped += engine._in_flight is not None
+        assert (overlapped > 0) == overlap
+        results.append(done)
+    with_overlap, without = results
+    for rid in requests:
+        assert with_overlap[rid].outputs[0].token_ids == without[rid].outputs[0].token_ids
+    caps, ref = with_overlap["c"].captures, without["c"].captures
+    assert len(caps) == 3 * engine.model_config.num_layers
+    assert all(torch.equal(caps[k], ref[k]) and caps[k].shape == (1, H) for k in ref)
+
+
 def _req(seq_id, tokens, start, blocks, samples=True) -> StepRequest:
     return StepRequest(seq_id, tokens, start, blocks, samples, Params(), None)
 

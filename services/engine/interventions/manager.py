@@ -665,16 +665,24 @@ class InterventionManager:
 
     def reads_nothing_back(self) -> bool:
         """No step needs its results on the host before the next is planned: no consumer,
-        and no live request with a capture or patches. Steering, the dynamic tier and
-        monitors are planned from host state alone; read-outs and abort probes are taken
-        when the step is accepted (an abort drops the token the next step computed, as a
-        stop token does); gates latch on the device too (the latch carry), so the step
-        after one in flight sees what it fired. Such steps may overlap (`LLMEngine.step`)."""
+        and no live request with a capture or a patch still ahead of it (one whose positions
+        are all computed, such as a last-prompt capture once its prefill is done, is done).
+        Steering, the dynamic tier and monitors are planned from host state alone; read-outs
+        and abort probes are taken when the step is accepted (an abort drops the token the
+        next step computed, as a stop token does); gates latch on the device too (the latch
+        carry), so the step after one in flight sees what it fired. Such steps may overlap
+        (`LLMEngine.step`)."""
         if self.consumers:
             return False
         for group in self.requests.values():
             iv = group.interventions
-            if iv is not None and (iv.capture is not None or iv.patches is not None):
+            if iv is None or (iv.capture is None and iv.patches is None):
+                continue
+            seq = group.seqs[0]  # captures and patches apply to the first sequence only
+            nxt = seq.num_computed
+            if iv.capture is not None and iv.capture.wants_from(nxt, seq.num_prompt_tokens):
+                return False
+            if iv.patches is not None and iv.patches.last_position >= nxt:
                 return False
         return True
 

@@ -108,6 +108,18 @@ class ResolvedCapture:
         assert isinstance(p, frozenset)
         return position in p
 
+    def wants_from(self, position: int, num_prompt_tokens: int) -> bool:
+        """Whether some position at or after `position` is still to be captured."""
+        p = self.positions
+        if p == "last_prompt":
+            return position <= num_prompt_tokens - 1
+        if p == "all_prompt":
+            return position < num_prompt_tokens
+        if p in ("all_generated", "all"):
+            return True
+        assert isinstance(p, frozenset)
+        return bool(p) and max(p) >= position
+
     def needs_full_prompt(self, num_prompt_tokens: int) -> bool:
         """Whether prompt positions before the last are wanted (so no prefix-cache reuse)."""
         if self.positions in ("all_prompt", "all"):
@@ -124,6 +136,11 @@ class ResolvedPatches:
     by_site: dict[SiteKey, list[tuple[int, torch.Tensor, float]]]
     first_position: int  # the request re-forwards from here; blocks from here carry `digest`
     digest: bytes
+
+    @functools.cached_property
+    def last_position(self) -> int:
+        """The last position a patch lands on: computed past it, nothing is left to patch."""
+        return max(pos for entries in self.by_site.values() for pos, _, _ in entries)
 
 
 class PatchSources(Protocol):
