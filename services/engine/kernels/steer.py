@@ -20,6 +20,10 @@ Two optional parts serve read-back without leaving the op (or a CUDA graph):
   `last_fired[carry]`, the gates its request fired in the step before, which the host has
   not seen yet when steps overlap.
 
+And the in-graph capture (`kernels/capture.py`): a token whose `capture_rows` entry is ≥ 0
+writes its pristine residual into its row of the capture buffer at `capture_slot`, and the
+op's output at `capture_next` (the next layer's pre_attn), when that is ≥ 0.
+
 And one fusion: with `norm_weight`, the op also returns the RMSNorm of its output (the next
 layer's input norm, or the final norm), rounded as `norm_rope.rms_norm` rounds, so a steered
 layer costs the plain one's kernel count.
@@ -66,9 +70,13 @@ def steer_reference(
     last_fired: torch.Tensor | None = None,  # [N] int32 gate bits fired by the step before
     norm_weight: torch.Tensor | None = None,  # [H]: also return rms_norm(out) with it
     eps: float = 0.0,
+    capture_rows: torch.Tensor | None = None,  # [T] int32 row of `capture_out`, or -1
+    capture_out: torch.Tensor | None = None,  # [Rc, S, H] the capture buffer
+    capture_slot: int = -1,  # the slot the pristine residual goes to
+    capture_next: int = -1,  # the slot the output goes to (-1: none)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The steered residual `[T, H]` in h's dtype (computed in float32); ORs into `fired`,
-    and writes read-out `scores`. With `norm_weight`: (residual, its RMSNorm).
+    and writes read-out `scores` and captures. With `norm_weight`: (residual, its RMSNorm).
 
     Probes read `h`; the terms are added to `base`, which differs from `h` only where a
     patch replaced rows after the monitor read them (capture → monitor → patch → steer).
@@ -79,6 +87,10 @@ def steer_reference(
         assert base is None, "a patched base is added to after the residual add"
         h = h + add
     x = h.float()
+    capturing = None
+    if capture_rows is not None:
+        capturing = (capture_rows >= 0).nonzero().flatten()
+        capture_out[capture_rows[capturing].long(), capture_slot] = h[capturing]
     if probe_bank is not None:
         n = int(probe_count[0])
         reading = (read_rows >= 0).nonzero().flatten()
@@ -120,6 +132,8 @@ def steer_reference(
         + (dyn_gain.float() * gm_d)[:, None] * dyn_vec.float()
         + g_coef[:, None] * gv
     ).to(h.dtype)
+    if capturing is not None and capture_next >= 0:
+        capture_out[capture_rows[capturing].long(), capture_next] = out[capturing]
     if norm_weight is None:
         return out
     o32 = out.float()
@@ -156,6 +170,10 @@ if triton is not None:
         last_fired_ptr,
         norm_w_ptr,
         normed_ptr,
+        cap_rows_ptr,
+        cap_ptr,
+        cap_slot,
+        cap_next,
         eps,
         stride_h,
         stride_base,
@@ -168,6 +186,9 @@ if triton is not None:
         BLOCK_C: tl.constexpr,  # read-out columns (a power of two); 0: no probe bank
         HAS_CARRY: tl.constexpr,
         HAS_NORM: tl.constexpr,  # also write rms_norm(out) * norm_w (row stride H)
+        HAS_CAPTURE: tl.constexpr,  # capture rows (row stride S * H = stride_cap)
+        HAS_CAPTURE_NEXT: tl.constexpr,  # ... and the output at slot cap_next
+        stride_cap,
     ):
         # One program per token: pass 1 takes the three dot products with the pristine x,
         # pass 2 writes x plus every steering term.
@@ -204,6 +225,11 @@ if triton is not None:
                     mask=live,
                 )
 
+        if HAS_CAPTURE:
+            # Masked stores: a token at -1 writes nothing (its row is clamped to 0, unused).
+            cap_row = tl.load(cap_rows_ptr + t).to(tl.int64)
+            capturing = (tl.zeros([BLOCK_H], dtype=tl.int64) + cap_row) >= 0  # [BLOCK_H]
+            cap_row = tl.maximum(cap_row, 0)
         mon_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         probe_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         att_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -214,6 +240,9 @@ if triton is not None:
             if HAS_ADD:
                 a = tl.load(add_ptr + t * stride_add + c, mask=m, other=0.0)
                 x = (x.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            if HAS_CAPTURE:
+                dst = cap_ptr + cap_row * stride_cap + cap_slot.to(tl.int64) * H + c
+                tl.store(dst, x.to(cap_ptr.dtype.element_ty), mask=m & capturing)
             x = x.to(tl.float32)
             mp = tl.load(mon_probe_ptr + c, mask=m, other=0.0).to(tl.float32)
             gpr = tl.load(gate_probe_ptr + r * H + c, mask=m, other=0.0).to(tl.float32)
@@ -272,6 +301,9 @@ if triton is not None:
             y = x + global_coef * v_global + row_coef * v_row + dyn_coef * v_dyn + g_coef * gv
             y = y.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + t * stride_out + c, y, mask=m)
+            if HAS_CAPTURE_NEXT:
+                dst = cap_ptr + cap_row * stride_cap + cap_next.to(tl.int64) * H + c
+                tl.store(dst, y.to(cap_ptr.dtype.element_ty), mask=m & capturing)
             if HAS_NORM:  # the norm reads the output as rounded
                 y32 = tl.where(m, y.to(tl.float32), 0.0)
                 sq_acc += y32 * y32
@@ -313,6 +345,10 @@ def steer_triton(
     last_fired: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    capture_rows: torch.Tensor | None = None,
+    capture_out: torch.Tensor | None = None,
+    capture_slot: int = -1,
+    capture_next: int = -1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`steer_reference` as one fused Triton launch over the flattened batch."""
     T, H = h.shape
@@ -328,6 +364,10 @@ def steer_triton(
         assert block_c == probe_bank.shape[0], "the probe bank's width must be a power of two"
     if carry is not None:
         assert carry.is_contiguous() and last_fired.is_contiguous()
+    if capture_rows is not None:
+        assert capture_rows.is_contiguous() and capture_out.is_contiguous()
+        assert capture_out.shape[2] == H and 0 <= capture_slot < capture_out.shape[1]
+        assert capture_next < capture_out.shape[1]
     assert add is None or base is None, "a patched base is added to after the residual add"
     base = h if base is None else base
     assert base.shape == h.shape and base.stride(1) == 1
@@ -373,6 +413,10 @@ def steer_triton(
         last_fired if last_fired is not None else rows,
         norm_weight if norm_weight is not None else h,  # unread without HAS_NORM
         normed if normed is not None else h,
+        capture_rows if capture_rows is not None else rows,  # unread without HAS_CAPTURE
+        capture_out if capture_out is not None else h,
+        capture_slot,
+        max(capture_next, 0),
         eps,
         h.stride(0),
         base.stride(0),
@@ -385,6 +429,9 @@ def steer_triton(
         BLOCK_C=block_c,
         HAS_CARRY=carry is not None,
         HAS_NORM=norm_weight is not None,
+        HAS_CAPTURE=capture_rows is not None,
+        HAS_CAPTURE_NEXT=capture_rows is not None and capture_next >= 0,
+        stride_cap=capture_out.stride(0) if capture_out is not None else 0,
         num_warps=num_warps,
     )
     return out if normed is None else (out, normed)
@@ -415,6 +462,10 @@ def steer(
     last_fired: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    capture_rows: torch.Tensor | None = None,
+    capture_out: torch.Tensor | None = None,
+    capture_slot: int = -1,
+    capture_next: int = -1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The steered residual (and with `norm_weight` its RMSNorm): Triton on CUDA or under
     TRITON_INTERPRET=1, else the reference."""
@@ -444,4 +495,8 @@ def steer(
         last_fired,
         norm_weight,
         eps,
+        capture_rows,
+        capture_out,
+        capture_slot,
+        capture_next,
     )

@@ -247,6 +247,45 @@ def test_triton_matches_reference_with_the_next_norm(H):
     torch.testing.assert_close(got_normed, want_normed, atol=1e-4, rtol=1e-4)
 
 
+def with_capture(case: dict, slots: int = 5, seed: int = 13) -> dict:
+    """`case` plus a capture buffer (poisoned with NaN) that every third token writes to,
+    into rows in another order than the tokens'."""
+    T, H = case["h"].shape
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.full((T,), -1, dtype=torch.int32)
+    rows[::3] = torch.randperm(len(rows[::3]), generator=g).to(torch.int32)
+    out = torch.full((T, slots, H), float("nan"), dtype=case["h"].dtype)
+    return {**case, "capture_rows": rows, "capture_out": out, "capture_slot": 3}
+
+
+def test_capture_writes_the_pristine_residual_and_the_output_of_capturing_tokens():
+    case = with_capture(random_case(9, 16, seed=14))
+    case["add"] = torch.randn(9, 16)
+    out = steer_reference(**case, capture_next=4)
+    buf, rows = case["capture_out"], case["capture_rows"]
+    tokens = (rows >= 0).nonzero().flatten()
+    assert torch.equal(buf[rows[tokens].long(), 3], (case["h"] + case["add"])[tokens])
+    assert torch.equal(buf[rows[tokens].long(), 4], out[tokens])  # the next site: post-steer
+    written = torch.zeros(buf.shape[:2], dtype=torch.bool)
+    written[rows[tokens].long(), 3] = written[rows[tokens].long(), 4] = True
+    assert buf[~written].isnan().all(), "nothing else is written"
+    plain = {k: v for k, v in case.items() if not k.startswith("capture")}
+    assert torch.equal(out, steer_reference(**plain))  # capturing changes no output
+
+
+@interpreted_only
+@pytest.mark.parametrize("capture_next", [4, -1])
+def test_triton_matches_reference_with_captures(capture_next):
+    case = with_capture(with_readback(random_case(12, 40, seed=15)))
+    case["add"] = torch.randn(12, 40)
+    want_buf, got_buf = case["capture_out"].clone(), case["capture_out"].clone()
+    want = steer_reference(**{**case, "capture_out": want_buf}, capture_next=capture_next)
+    got = steer_triton(**{**case, "capture_out": got_buf}, capture_next=capture_next)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_buf, want_buf, atol=1e-4, rtol=1e-4, equal_nan=True)
+    assert not got_buf[case["capture_rows"][::3].long(), 3].isnan().any()
+
+
 def test_probes_read_h_and_terms_add_to_base():
     case = random_case(6, 16, seed=4)
     shift = torch.randn(6, 16)
