@@ -53,8 +53,14 @@ class EngineConfig:
     # Sites (of every layer) where intervened decode steps replay a CUDA graph too: a second
     # graph per bucket runs the fused op there (steering, monitors, gates, read-outs), with
     # every switch read from the tables and the step batch. Steps that steer or read out
-    # elsewhere, capture, patch or feed a consumer run eagerly.
+    # elsewhere, patch or feed a consumer run eagerly (captures: `graph_capture_rows`).
     graph_steering_sites: tuple[str, ...] = ("post_block",)
+    # Steps that capture write each capturing token's residual at every (layer, site) into
+    # a fixed buffer of this many token rows (None: max_num_seqs), allocated at start (rows
+    # x 3 x layers x hidden in the model dtype), and bring it back with one copy: decode
+    # steps replay a CUDA graph and overlap like any intervened step. A step with more
+    # capturing tokens, or 0 here, copies each (layer, site) eagerly.
+    graph_capture_rows: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).
     async_scheduling: bool = True
@@ -73,6 +79,10 @@ class EngineConfig:
         p = self.readout_probes_per_site
         if p < 1 or p & (p - 1):
             raise InvalidRequestError(f"readout_probes_per_site must be a power of two, got {p}")
+        if self.graph_capture_rows is not None and self.graph_capture_rows < 0:
+            raise InvalidRequestError(
+                f"graph_capture_rows must be >= 0, got {self.graph_capture_rows}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         unknown = set(self.graph_steering_sites) - set(SITES)

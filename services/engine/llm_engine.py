@@ -119,6 +119,7 @@ class LLMEngine:
             dynamic_rows=cfg.steering_dynamic_rows,
             probe_columns=cfg.readout_probes_per_site,
             action_queue_size=cfg.action_queue_size,
+            capture_rows=self._capture_rows(),
         )
         self.runner.readback = Readback(
             self.runner.max_num_batched_tokens,
@@ -126,6 +127,9 @@ class LLMEngine:
             self.model_config.num_layers,
             cfg.readout_probes_per_site,
             self.device,
+            capture_rows=self._capture_rows(),
+            hidden=self.model_config.hidden_size,
+            dtype=self.dtype,
         )
         if not cfg.enforce_eager and self.runner.can_use_graphs():
             steer_sites = frozenset(
@@ -162,6 +166,14 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_patch_passes = 0
         self.num_patch_pass_tokens = 0  # rows patch passes computed, each member's once
+
+    def _capture_rows(self) -> int:
+        """Rows of the fixed capture buffer: `graph_capture_rows` (default max_num_seqs) on
+        a one-process replica, whose model holds every layer the buffer's slots name."""
+        if self.runner.ctx.world_size > 1:
+            return 0
+        rows = self.config.graph_capture_rows
+        return self.config.max_num_seqs if rows is None else rows
 
     def _generation_eos_ids(self) -> list[int]:
         path = self.model_dir / "generation_config.json"
@@ -662,6 +674,7 @@ class LLMEngine:
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_graph_steps": self.runner.num_graph_steps,
             "num_steered_graph_steps": self.runner.num_steered_graph_steps,
+            "num_capture_graph_steps": self.runner.num_capture_graph_steps,
             "num_eager_steps": self.runner.num_eager_steps,
             "num_patch_passes": self.num_patch_passes,
             "num_patch_pass_tokens": self.num_patch_pass_tokens,

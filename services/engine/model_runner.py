@@ -146,7 +146,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 # SteerTokens, as StepBatch `steer_*` fields (and StepInterventions.bind's order)
-STEER_FIELDS = ("rows", "latched", "decode", "gain", "read_rows", "carry")
+STEER_FIELDS = ("rows", "latched", "decode", "gain", "read_rows", "capture_rows", "carry")
 
 
 class StepBatch:
@@ -173,6 +173,7 @@ class StepBatch:
         ("steer_decode", torch.float32, (1, 0)),
         ("steer_gain", torch.float32, (1, 0)),
         ("steer_read_rows", torch.int32, (1, 0)),
+        ("steer_capture_rows", torch.int32, (1, 0)),  # row of Readback.captures, or -1
         ("steer_carry", torch.int32, (1, 0)),  # row of Readback.last_fired to latch, or -1
         ("logits_rows", torch.int64, (0, 1)),
         ("query_start_loc", torch.int32, (0, 1)),  # plus one
@@ -303,11 +304,14 @@ class ModelRunner:
         self.scratch_slot = 0
         self.graphs: dict[int, _Graph] = {}  # bucket -> plain decode graph
         self.steered_graphs: dict[int, _Graph] = {}  # bucket -> the steer op at graph sites
+        self.capture_graphs: dict[int, _Graph] = {}  # bucket -> ... and the capture writes
         self.graph_sizes: list[int] = []
         self.graph_steer_sites: frozenset[SiteKey] = frozenset()
+        self.graph_capture_sites: frozenset[SiteKey] = frozenset()
         self.readback: Readback | None = None  # set by the engine with the steering tables
         self.num_graph_steps = 0  # steps that replayed a CUDA graph
         self.num_steered_graph_steps = 0  # ... of them, a steered one
+        self.num_capture_graph_steps = 0  # ... of them, one that captures
         self.num_eager_steps = 0
         # The last launched step's sampled tokens (device) and each sequence's row in them.
         self._prev_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
@@ -410,7 +414,9 @@ class ModelRunner:
         """Capture one decode step (embedding → logits, float32) per batch-size bucket, and
         with `steering`, a second one per bucket that runs the fused steer op at every
         (layer, site) of `steer_sites`, reading the step batch's `steer_*` fields and the
-        tables (fixed addresses: they are only written in place).
+        tables (fixed addresses: they are only written in place). With a capture buffer
+        (`Readback.captures`), a third: the op also at every post_block, with the capture
+        writes at every site.
 
         Buckets are captured largest first into one memory pool, so smaller ones reuse its
         memory. Logs the time and memory they took."""
@@ -422,33 +428,39 @@ class ModelRunner:
         self._build([], pad_to=sizes[-1])  # every row padding: reads nothing, writes scratch
         steered = steering is not None and bool(steer_sites)
         assert not steered or self.readback is not None, "the readback goes with the tables"
+        captures = steering is not None and self.readback.captures is not None
+        capture_sites = steer_sites | {(L, "post_block") for L in range(self.cfg.num_layers)}
         pool = None
         for size in reversed(sizes):
             inputs = sb.attention_inputs(size, size, self.block_size, list(range(size + 1)), [0])
             inputs.max_query_len = 1
             meta = self.backend.prepare(inputs)
             ids, pos = sb.dev["input_ids"][:size], sb.dev["positions"][:size]
-            iv = None
+            kinds: list[tuple[dict[int, _Graph], StepInterventions | None]] = [(self.graphs, None)]
             if steered:
-                iv = StepInterventions(steering, set(steer_sites), None)
-                iv.bind(self.readback, *sb.steer_views(size))
-            for kind, interventions in (("plain", None), ("steered", iv)):
-                if kind == "steered" and interventions is None:
-                    continue
-                graph, logits = self._capture(ids, pos, meta, interventions, pool)
-                pool = graph.pool()
-                (self.graphs if kind == "plain" else self.steered_graphs)[size] = _Graph(
-                    graph, logits
+                kinds.append(
+                    (self.steered_graphs, StepInterventions(steering, set(steer_sites), None))
                 )
+            if captures:
+                iv = StepInterventions(steering, set(capture_sites), None, capture_block=True)
+                kinds.append((self.capture_graphs, iv))
+            for graphs, iv in kinds:
+                if iv is not None:
+                    iv.bind(self.readback, *sb.steer_views(size))
+                graph, logits = self._capture(ids, pos, meta, iv, pool)
+                pool = graph.pool()
+                graphs[size] = _Graph(graph, logits)
         torch.cuda.synchronize(self.device)
         self.graph_sizes = sizes
         self.graph_steer_sites = steer_sites if steered else frozenset()
+        self.graph_capture_sites = frozenset(capture_sites) if captures else frozenset()
         log.info(
-            "captured %d decode CUDA graphs (batch %d..%d%s) in %.1f s, using %.0f MiB",
-            len(self.graphs) + len(self.steered_graphs),
+            "captured %d decode CUDA graphs (batch %d..%d%s%s) in %.1f s, using %.0f MiB",
+            len(self.graphs) + len(self.steered_graphs) + len(self.capture_graphs),
             sizes[0],
             sizes[-1],
             f"; plain and steered at {len(steer_sites)} sites" if steered else "",
+            "; capturing" if captures else "",
             time.perf_counter() - t0,
             (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20,
         )
@@ -483,14 +495,24 @@ class ModelRunner:
 
     def _steered_graph_serves(self, iv: StepInterventions) -> bool:
         """Whether the intervened graphs run everything `iv` does: the fused op only (with
-        its read-outs and gates), at sites they were captured with (captures, patches and
-        consumers' views run eagerly)."""
+        its read-outs and gates, and captures into the capture buffer), at sites they were
+        captured with (eager captures, patches and consumers' views run eagerly)."""
+        graphs, sites = self._intervened_graphs(iv)
         return (
-            bool(self.steered_graphs)
+            bool(graphs)
             and iv.steer_tokens is not None
-            and iv.kernel_sites <= self.graph_steer_sites
+            and iv.kernel_sites <= sites
             and not (iv.capture_index or iv.patch_index or iv.view_sites)
         )
+
+    def _intervened_graphs(
+        self, iv: StepInterventions
+    ) -> tuple[dict[int, _Graph], frozenset[SiteKey]]:
+        """The intervened graphs a step of `iv` replays (with the capture writes or not),
+        and the sites they run the fused op at."""
+        if iv.capture_block:
+            return self.capture_graphs, self.graph_capture_sites
+        return self.steered_graphs, self.graph_steer_sites
 
     # -- the step -------------------------------------------------------------------------
 
@@ -528,8 +550,11 @@ class ModelRunner:
             if interventions is None:
                 entry = self.graphs[bucket]
             else:
-                entry = self.steered_graphs[bucket]
-                self.num_steered_graph_steps += 1
+                entry = self._intervened_graphs(interventions)[0][bucket]
+                if interventions.capture_block:
+                    self.num_capture_graph_steps += 1
+                else:
+                    self.num_steered_graph_steps += 1
             entry.graph.replay()
             logits = entry.logits[:n]
             if len(sample_rows) < n:
@@ -592,7 +617,7 @@ class ModelRunner:
         covers these copies too)."""
         rb = self.readback
         assert rb is not None
-        if not (iv.reads_fired or iv.reads_scores):
+        if not (iv.reads_fired or iv.reads_scores or iv.capture_block):
             return  # steering alone: nothing to read back
         if iv.reads_fired and sample_rows and not (graphed and len(sample_rows) == num_seqs):
             index = self.batch.dev["logits_rows"][:num_seqs]
@@ -601,6 +626,8 @@ class ModelRunner:
             rb.last_fired[: len(index)].copy_(rb.fired[index])
         pending.interventions = iv
         pending.readback = rb.copy(num_tokens, num_seqs, iv.reads_fired, iv.reads_scores)
+        if iv.capture_block:
+            pending.readback["captures"] = rb.copy_captures(len(iv.block_captures))
 
     def _copy_back(self, pending: PendingStep, sampled: SampledBatch) -> None:
         """Start the step's one device→host copy: sampled ids (and requested logprobs) into a

@@ -151,6 +151,15 @@ class EngineCollector(Collector):
             "Requests stopped by an abort_when probe.",
             value=st.get("probe_aborts", 0),
         )
+        captured = CounterMetricFamily(
+            "coxswain_captured_tokens",
+            "Captured tokens, by path: a decode step's capture block (in the CUDA graph) or "
+            "eager copies.",
+            labels=["path"],
+        )
+        for path, n in st.get("captured_tokens", {}).items():
+            captured.add_metric([path], n)
+        yield captured
         yield GaugeMetricFamily(
             "coxswain_steering_monitors", "Installed monitors.", value=len(st.get("monitors", {}))
         )

@@ -299,3 +299,53 @@ def test_a_head_dim_the_triton_kernels_cannot_tile_runs_on_sdpa(tiny_checkpoint)
             assert engine.stats()["num_graph_steps"] == 0
     order = ["0", "1", "2"]
     _assert_same([got["cuda"][r] for r in order], [got["cpu"][r] for r in order])
+
+
+# -- captures in the capture graph ---------------------------------------------------------
+
+CAPTURE_GEN = 16
+
+
+def _capture_params(i: int, hidden: int, num_layers: int) -> SamplingParams:
+    """Every request captures all 3 sites of every layer at every position; odd ones steer."""
+    capture = {"sites": {s: "all" for s in ("pre_attn", "post_attn", "post_block")}}
+    capture["positions"] = "all"
+    steer = _steering(i, hidden, num_layers) if i % 2 else None
+    return SamplingParams(
+        max_tokens=CAPTURE_GEN, temperature=0.0, ignore_eos=True, capture=capture, steering=steer
+    )
+
+
+def _run_captures(path, dtype: str, eager: bool):
+    cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8)
+    engine = LLMEngine(path, cfg)
+    shape = engine.model_config.hidden_size, engine.model_config.num_layers
+    outs, totals = {}, OutputAccumulator()
+    pending = list(enumerate(_prompts()))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, _capture_params(i, *shape))
+        assert engine._can_overlap()  # captures do not turn overlap off
+        for out in totals.finished(engine.step()):
+            outs[out.request_id] = out
+    return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_decode_captures_replay_the_capture_graph_and_equal_eager(tiny_checkpoint, dtype, tol):
+    path = tiny_checkpoint("qwen3")
+    graph, engine = _run_captures(path, dtype, eager=False)
+    eager, eager_engine = _run_captures(path, dtype, eager=True)
+    stats = engine.stats()
+    assert stats["num_capture_graph_steps"] > 10 and eager_engine.stats()["num_graph_steps"] == 0
+    snap = engine.steering_snapshot()["captured_tokens"]
+    assert snap["block"] > 10 * len(PROMPT_LENS) // 2
+    L = engine.model_config.num_layers
+    for g, w in zip(graph, eager, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.capture_positions == w.capture_positions
+        assert len(g.capture_positions) == len(g.prompt_token_ids) + CAPTURE_GEN - 1
+        assert len(g.captures) == 3 * L
+        for key, rows in g.captures.items():
+            torch.testing.assert_close(rows, w.captures[key], atol=tol, rtol=tol)

@@ -83,3 +83,41 @@ def test_dispatcher_uses_kernel_on_cuda(monkeypatch):
 def test_empty_batch():
     case = random_case(0, 64, device="cuda")
     assert run(steer_triton, case)[0].shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("H", [100, 4096])
+def test_kernel_with_captures_matches_reference(dtype, H):
+    """The pristine residual (after the folded add) is captured exactly: the same rounding
+    of the same sum; the output captured at the next slot is the op's output itself."""
+    from tests.unit.engine.kernels.test_steer import with_capture
+
+    case = with_capture(random_case(40, H, R=17, dtype=dtype, device="cuda", seed=H))
+    case = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    case["add"] = torch.randn(40, H, device="cuda").to(dtype)
+    want_buf, got_buf = case["capture_out"].clone(), case["capture_out"].clone()
+    want = steer_reference(**{**case, "capture_out": want_buf}, capture_next=4)
+    got = steer_triton(**{**case, "capture_out": got_buf}, capture_next=4)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    rows = case["capture_rows"][case["capture_rows"] >= 0].long()
+    assert torch.equal(got_buf[rows, 3], want_buf[rows, 3])  # h + add: one rounding, exact
+    captured = (case["capture_rows"] >= 0).nonzero().flatten()
+    assert torch.equal(got_buf[case["capture_rows"][captured].long(), 4], got[captured])
+    untouched = torch.ones(got_buf.shape[:2], dtype=torch.bool, device="cuda")
+    untouched[rows, 3] = untouched[rows, 4] = False
+    assert got_buf[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_capture_kernel_copies_rows_bit_for_bit(dtype):
+    from services.engine.kernels.capture import capture, capture_reference
+
+    h = torch.randn(50, 4096, device="cuda").to(dtype)
+    rows = torch.full((50,), -1, dtype=torch.int32, device="cuda")
+    rows[::4] = torch.randperm(13, device="cuda").to(torch.int32)
+    want = torch.full((13, 6, 4096), float("nan"), device="cuda", dtype=dtype)
+    got = want.clone()
+    capture_reference(h, rows, want, 5)
+    capture(h, rows, got, 5)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())

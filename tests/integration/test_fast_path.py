@@ -261,17 +261,20 @@ def test_steady_decode_reuses_its_plan_and_gets_what_replanning_gets(model_dir, 
 
 
 def test_what_the_next_plan_needs_turns_overlap_off(model_dir):
-    """Steering, read-outs and gates overlap; a capture (rows written to a sink each step)
-    turns overlap off until its request ends."""
+    """Steering, read-outs, gates and captures overlap (what a step read back is routed
+    when it is accepted); a patch still ahead of its request turns overlap off."""
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
-    vec = torch.randn(engine.model_config.hidden_size).tolist()
+    H = engine.model_config.hidden_size
+    vec = torch.randn(H).tolist()
     steer = {"vectors": [{"layers": [1], "site": "post_block", "vector": vec, "scale": 2.0}]}
     engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=3, steering=steer))
     readouts = [{"probe": vec, "layer": 1, "name": "p"}]
     engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=3, readouts=readouts))
-    assert engine._can_overlap()
     capture = {"sites": {"post_block": [0]}, "positions": "all"}
     engine.add_request("c", PROMPTS[2], SamplingParams(max_tokens=3, capture=capture))
+    assert engine._can_overlap()
+    patch = [{"layer": 0, "site": "post_block", "position": 1, "source": {"vector": vec}}]
+    engine.add_request("p", PROMPTS[0], SamplingParams(max_tokens=3, patch=patch))
     assert not engine._can_overlap()
     while engine.has_unfinished_requests():
         engine.step()
@@ -309,6 +312,72 @@ def test_a_capture_or_patch_whose_positions_are_all_computed_lets_steps_overlap(
     caps, ref = with_overlap["c"].captures, without["c"].captures
     assert len(caps) == 3 * engine.model_config.num_layers
     assert all(torch.equal(caps[k], ref[k]) and caps[k].shape == (1, H) for k in ref)
+
+
+ALL_SITES = {site: "all" for site in ("pre_attn", "post_attn", "post_block")}
+
+
+def _captured(model_dir, **config) -> tuple[dict, dict, LLMEngine]:
+    """Three staggered requests capturing every site of every layer at every position, one
+    steered at two sites, one stopping early: their outputs, and the capture counters."""
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
+    H = engine.model_config.hidden_size
+    vec = torch.randn(H, generator=torch.Generator().manual_seed(3)).tolist()
+    steer = {
+        "vectors": [
+            {"layers": [0], "site": "post_attn", "vector": vec, "scale": 2.0},
+            {"layers": [1], "site": "post_block", "vector": vec, "scale": -1.0},
+        ]
+    }
+    capture = {"sites": ALL_SITES, "positions": "all"}
+    work = {
+        "a": (PROMPTS[0], dict(max_tokens=7, ignore_eos=True)),
+        "b": (PROMPTS[1], dict(max_tokens=5, ignore_eos=True, steering=steer)),
+        "c": (PROMPTS[2], dict(max_tokens=9, stop=[" the"])),
+    }
+    totals, done = OutputAccumulator(), {}
+    for i, (rid, (prompt, kw)) in enumerate(work.items()):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, capture=capture, **kw))
+        for _ in range(i):  # staggered: later ones join a batch already decoding
+            for out in totals.finished(engine.step()):
+                done[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in totals.finished(engine.step()):
+            done[out.request_id] = out
+    return done, engine.steering_snapshot()["captured_tokens"], engine
+
+
+def test_decode_captures_through_the_block_equal_eager_copies(model_dir):
+    """Decode steps capture into the fixed buffer (every site, by the fused op and the
+    capture op); the same run with every capture copied eagerly gives the same rows, and
+    the sink keeps nothing once the requests are done."""
+    block, counts, engine = _captured(model_dir)
+    eager, eager_counts, _ = _captured(model_dir, graph_capture_rows=0)
+    assert counts["block"] > 0 and eager_counts["block"] == 0
+    assert counts["block"] + counts["eager"] == eager_counts["eager"]
+    assert engine.steering_snapshot()["cached_plans"] > 0  # steady capturing steps reuse
+    L = engine.model_config.num_layers
+    for rid, out in block.items():
+        ref = eager[rid]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.capture_positions == ref.capture_positions
+        assert len(out.capture_positions) == len(out.prompt_token_ids) + len(
+            out.outputs[0].token_ids
+        ) - 1  # every position but the last sampled one, which is never fed
+        assert sorted(out.captures) == sorted(ref.captures) and len(out.captures) == 3 * L
+        for key, rows in out.captures.items():
+            torch.testing.assert_close(rows, ref.captures[key], atol=1e-5, rtol=1e-5)
+    sink = engine.interventions.sink
+    assert not (sink._rows or sink._blocks), "a finished request's captures are dropped"
+
+
+def test_a_step_with_more_capturing_tokens_than_buffer_rows_copies_eagerly(model_dir):
+    few, counts, _ = _captured(model_dir, graph_capture_rows=1)
+    eager, _, _ = _captured(model_dir, graph_capture_rows=0)
+    assert counts["block"] > 0 and counts["eager"] > 0  # alone it fits; together they do not
+    for rid, out in few.items():
+        for key, rows in out.captures.items():
+            torch.testing.assert_close(rows, eager[rid].captures[key], atol=1e-5, rtol=1e-5)
 
 
 def _req(seq_id, tokens, start, blocks, samples=True) -> StepRequest:

@@ -1,20 +1,36 @@
 """Where captured activations go: a sink per request.
 
-The engine hands each sink the pristine rows it captured this step, keyed
-`"<layer>.<site>"` with their positions; the sink assembles them. `InlineCaptureSink`
-returns them with the request's final output; the patch-store sink (next) writes a run.
+The engine hands each sink the pristine rows it captured this step, in one of two shapes:
+- `write`: rows of one `"<layer>.<site>"` key at some positions, from a step that copied
+  them eagerly (prefill and mixed steps);
+- `write_block`: a decode step's capture block (`planner.CapturedBlock`, every site of every
+  layer of each capturing token) and the request's row in it. The block is shared by the
+  step's requests, so a step costs one call per request, not one per request and key, and
+  the rows stay where they landed until the result is built.
+
+The sink assembles them. `InlineCaptureSink` returns them with the request's final output;
+with sink "patch_store" the engine writes that result as a run.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from services.engine.interventions.sites import parse_site
+from services.engine.kernels.capture import capture_slot
 
 
 class CaptureSink(Protocol):
     def write(self, request_id: str, key: str, positions: list[int], rows: torch.Tensor) -> None:
         """Store `rows` ([len(positions), H], CPU) captured at `key` for these positions."""
+
+    def write_block(
+        self, request_id: str, position: int, block: Any, row: int, keys: list[str]
+    ) -> None:
+        """Store row `row` of a `CapturedBlock` as the request's capture at `position`, for
+        each of `keys`."""
 
     def result(self, request_id: str) -> tuple[dict[str, torch.Tensor], list[int]] | None:
         """The request's captures so far: `{key: [num_positions, H]}` in position order."""
@@ -23,24 +39,81 @@ class CaptureSink(Protocol):
         """Forget the request (finished and delivered, or aborted)."""
 
 
+def _slot(key: str) -> int:
+    """The capture-block slot of a `"<layer>.<site>"` key."""
+    layer, site = key.split(".", 1)
+    return capture_slot(int(layer), parse_site(site))
+
+
 class InlineCaptureSink:
     """Keeps captures in memory until the request's final output carries them."""
 
     def __init__(self) -> None:
-        # request -> key -> position -> [H]; a position recomputed after preemption overwrites.
+        # request -> key -> position -> [H] (float32), from eager copies
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+        # request -> position -> (block, row), and the keys its blocks hold rows for
+        self._blocks: dict[str, dict[int, tuple[Any, int]]] = {}
+        self._block_keys: dict[str, list[str]] = {}
+        self._eager: dict[str, set[int]] = {}  # request -> positions in `_rows`
 
     def write(self, request_id: str, key: str, positions: list[int], rows: torch.Tensor) -> None:
+        # A position written again (recomputed after a preemption) takes the new rows.
         by_pos = self._rows.setdefault(request_id, {}).setdefault(key, {})
+        blocks = self._blocks.get(request_id, {})
+        self._eager.setdefault(request_id, set()).update(positions)
         for p, row in zip(positions, rows, strict=True):
             by_pos[p] = row
+            blocks.pop(p, None)
+
+    def write_block(
+        self, request_id: str, position: int, block: Any, row: int, keys: list[str]
+    ) -> None:
+        self._blocks.setdefault(request_id, {})[position] = (block, row)
+        self._block_keys[request_id] = keys
+        eager = self._eager.get(request_id)
+        if eager and position in eager:  # recomputed: the block's rows replace the copies
+            eager.discard(position)
+            for by_pos in self._rows[request_id].values():
+                by_pos.pop(position, None)
 
     def result(self, request_id: str) -> tuple[dict[str, torch.Tensor], list[int]] | None:
-        keys = self._rows.get(request_id)
-        if not keys:
+        rows = self._rows.get(request_id, {})
+        blocks = self._blocks.get(request_id, {})
+        keys = list(rows) or self._block_keys.get(request_id, [])
+        positions = sorted(set(blocks).union(*(by_pos.keys() for by_pos in rows.values())))
+        if not keys or not positions:
             return None
-        positions = sorted(next(iter(keys.values())))
-        return {k: torch.stack([v[p] for p in positions]) for k, v in keys.items()}, positions
+        out = {}
+        if blocks:  # every block position's rows of every key in one gather per block
+            at = {p: i for i, p in enumerate(positions)}
+            slots = torch.tensor([_slot(k) for k in keys])
+            by_block: dict[int, tuple[Any, list[int], list[int]]] = {}
+            for p, (block, row) in blocks.items():
+                entry = by_block.setdefault(id(block), (block, [], []))
+                entry[1].append(at[p])
+                entry[2].append(row)
+            gathered = None  # [K, positions, H]: each key's rows contiguous
+            for block, index, block_rows in by_block.values():
+                part = block.rows()[torch.tensor(block_rows)][:, slots].float()  # [n, K, H]
+                if gathered is None:
+                    gathered = torch.zeros(len(keys), len(positions), part.shape[2])
+                gathered[:, torch.tensor(index)] = part.transpose(0, 1)
+            assert gathered is not None
+            out = {k: gathered[j] for j, k in enumerate(keys)}
+        for k in keys:
+            by_pos = rows.get(k, {})
+            if not by_pos:
+                continue
+            if k not in out:
+                out[k] = torch.stack([by_pos[p] for p in positions])
+            else:
+                for i, p in enumerate(positions):
+                    if p in by_pos:
+                        out[k][i] = by_pos[p]
+        return out, positions
 
     def drop(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
+        self._blocks.pop(request_id, None)
+        self._block_keys.pop(request_id, None)
+        self._eager.pop(request_id, None)

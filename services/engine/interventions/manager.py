@@ -174,6 +174,7 @@ class InterventionManager:
         dynamic_rows: int = 32,
         probe_columns: int = 8,
         action_queue_size: int = 1024,
+        capture_rows: int = 0,
         registry: VectorRegistry | None = None,
     ):
         self.num_layers, self.hidden_size, self.device = num_layers, hidden_size, device
@@ -190,7 +191,7 @@ class InterventionManager:
         self.counters = _Counters()
         self.sink: CaptureSink = InlineCaptureSink()
         # The step's two halves: planning it (pure) and observing what it read back.
-        self.planner = StepPlanner(self.tables, device)
+        self.planner = StepPlanner(self.tables, device, capture_rows)
         self.observer = StepObserver(
             lambda: self.sink, self.queue, lambda: self.planner.steps, self.planner.invalidate
         )
@@ -665,24 +666,20 @@ class InterventionManager:
 
     def reads_nothing_back(self) -> bool:
         """No step needs its results on the host before the next is planned: no consumer,
-        and no live request with a capture or a patch still ahead of it (one whose positions
-        are all computed, such as a last-prompt capture once its prefill is done, is done).
-        Steering, the dynamic tier and monitors are planned from host state alone; read-outs
-        and abort probes are taken when the step is accepted (an abort drops the token the
-        next step computed, as a stop token does); gates latch on the device too (the latch
-        carry), so the step after one in flight sees what it fired. Such steps may overlap
-        (`LLMEngine.step`)."""
+        and no live request with a patch still ahead of it (one whose positions are all
+        computed is done). Steering, the dynamic tier and monitors are planned from host
+        state alone; captures and read-outs are routed when the step is accepted (an abort
+        drops the token the next step computed, as a stop token does, and what that step
+        captured for a finished request is dropped with it); gates latch on the device too
+        (the latch carry), so the step after one in flight sees what it fired. Such steps
+        may overlap (`LLMEngine.step`)."""
         if self.consumers:
             return False
         for group in self.requests.values():
             iv = group.interventions
-            if iv is None or (iv.capture is None and iv.patches is None):
+            if iv is None or iv.patches is None:
                 continue
-            seq = group.seqs[0]  # captures and patches apply to the first sequence only
-            nxt = seq.num_computed
-            if iv.capture is not None and iv.capture.wants_from(nxt, seq.num_prompt_tokens):
-                return False
-            if iv.patches is not None and iv.patches.last_position >= nxt:
+            if iv.patches.last_position >= group.seqs[0].num_computed:  # the first seq's
                 return False
         return True
 
@@ -741,6 +738,11 @@ class InterventionManager:
             ),
             "consumers": {name: tm.as_dict() for name, tm in obs.consumer_timing.items()},
             "probe_aborts": obs.num_probe_aborts,
+            # captured tokens, through a decode step's capture block or eager copies
+            "captured_tokens": {
+                "block": obs.num_block_captures,
+                "eager": obs.num_eager_captures,
+            },
             "cached_plans": self.planner.num_cached_plans,
             "gate_firing": {
                 site_key(*k): {"tokens": n, "fired": obs.gate_fired[k]}

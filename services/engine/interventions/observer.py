@@ -57,6 +57,9 @@ class StepObserver:
         self.consumers: dict[str, tuple[SyncConsumer, frozenset[SiteKey]]] = {}
         self.consumer_timing: dict[str, ConsumerTiming] = {}
         self.num_probe_aborts = 0
+        # Captured tokens routed from a decode step's capture block, and from eager copies
+        self.num_block_captures = 0
+        self.num_eager_captures = 0
         # Declarative gates, per (layer, site): decode tokens they were evaluated on, and
         # how many of those they fired on (the dashboard's firing rates).
         self.gate_tokens: Counter[SiteKey] = Counter()
@@ -73,16 +76,15 @@ class StepObserver:
     def observe(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport | None:
         """Route this step's captures, read-outs and gate firings, and run the sync
         consumers; returns the read-outs and aborts (None when nothing came back)."""
-        if not (step.capture_meta or step.readers or step.gated or self.consumers):
+        reads = step.capture_meta or step.block_captures or step.readers or step.gated
+        if not (reads or self.consumers):
             return None  # steering alone: nothing comes back
         n = len(sched.scheduled)
         report = StepReport([None] * n, [None] * n)
-        for key, rows in step.captured.items():
-            rows = rows.float().cpu()  # [sum of positions, H], in capture_meta's order
-            name, at = site_key(*key), 0
-            for request_id, positions in step.capture_meta[key]:
-                self.sink.write(request_id, name, positions, rows[at : at + len(positions)])
-                at += len(positions)
+        if step.capture_meta:
+            self._write_captures(sched, step)
+        if step.block_captures:
+            self._write_block(sched, step)
         if step.readers:
             values, at = step.probe_values(), 0
             for i, iv in step.readers:
@@ -105,6 +107,33 @@ class StepObserver:
         if self.consumers:
             self._run_consumers(sched, step, self._spans(sched))
         return report
+
+    def _write_captures(self, sched: SchedulerOutput, step: StepInterventions) -> None:
+        """The step's eager copies, per (layer, site), to the sink; a request that finished
+        while this step was in flight (overlapped) gets nothing more."""
+        done = {s.seq.group.request_id for s in sched.scheduled if s.seq.is_finished}
+        for key, rows in step.captured.items():
+            rows = rows.float().cpu()  # [sum of positions, H], in capture_meta's order
+            name, at = site_key(*key), 0
+            for request_id, positions in step.capture_meta[key]:
+                if request_id not in done:
+                    self.sink.write(request_id, name, positions, rows[at : at + len(positions)])
+                at += len(positions)
+        self.num_eager_captures += sum(len(p) for _, p in next(iter(step.capture_meta.values())))
+
+    def _write_block(self, sched: SchedulerOutput, step: StepInterventions) -> None:
+        """The step's capture block, one sink call per capturing request."""
+        block = step.captured_block
+        assert block is not None, "collect() gives every block-capturing step its block"
+        for row, (i, position) in enumerate(step.block_captures):
+            seq = sched.scheduled[i].seq
+            if seq.is_finished:
+                continue
+            group = seq.group
+            self.num_block_captures += 1
+            self.sink.write_block(
+                group.request_id, position, block, row, group.interventions.capture.keys
+            )
 
     def _latch_decode(self, sched: SchedulerOutput, step: StepInterventions) -> None:
         """`_latch` for an all-decode step, whose gated requests have one token each at their

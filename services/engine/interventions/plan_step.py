@@ -15,6 +15,7 @@ under the epoch it was made in.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -23,14 +24,18 @@ import torch
 from services.engine.interventions.planner import SteerTokens, StepInterventions
 from services.engine.interventions.resolve import RowContent, SiteKey
 from services.engine.interventions.tables import ZERO_ROW, SteeringTables
-from services.engine.scheduler import ScheduledSeq, SchedulerOutput
+from services.engine.scheduler import SchedulerOutput
 
 
 class StepPlanner:
     """Plans each step's intervention indices from the schedule and the steering state."""
 
-    def __init__(self, tables: SteeringTables, device: torch.device):
+    def __init__(self, tables: SteeringTables, device: torch.device, capture_rows: int = 0):
         self.tables, self.device = tables, device
+        # Rows of the fixed capture buffer (0: every capture is an eager copy), and the
+        # sites a block-capturing step runs the fused op at (post_block of every layer).
+        self.capture_rows = capture_rows
+        self.capture_sites = frozenset((L, "post_block") for L in range(tables.num_layers))
         self.steps = 0  # steps planned
         self._epoch = 0
         self._plan_cache: tuple[tuple, tuple] | None = None
@@ -52,30 +57,28 @@ class StepPlanner:
         (they see every step), reading the residual at `view_sites`."""
         self.steps += 1
         decode_only = True
-        for s in sched.scheduled:
+        capturers: list[tuple[int, Any]] = []  # (request index, its capture)
+        for i, s in enumerate(sched.scheduled):
             seq = s.seq
             seq.record_kv_sigs(s.start, s.num_tokens)
             decode_only = decode_only and s.num_tokens == 1 and s.start >= seq.num_prompt_tokens
+            iv = seq.group.interventions
+            if iv is not None and iv.capture is not None and seq.index == 0:
+                capturers.append((i, iv.capture))
         kernel_sites = self.tables.active_sites()
         key = None
-        if decode_only and kernel_sites and not consumers:
+        if decode_only and (kernel_sites or capturers) and not consumers:
             key = (self._epoch, *(s.seq.seq_id for s in sched.scheduled))
             cached = self._plan_cache
             if cached is not None and cached[0] == key:
-                self.num_cached_plans += 1
-                steer_tokens, readers, gated, read_index, gate_index = cached[1]
-                return StepInterventions(
-                    self.tables,
-                    kernel_sites,
-                    steer_tokens,
-                    readers=readers,
-                    gated=gated,
-                    read_index=read_index,
-                    gate_index=gate_index,
-                    decode_only=True,
-                )
+                plan = self._reuse(sched, kernel_sites, *cached[1])
+                if plan is not None:
+                    self.num_cached_plans += 1
+                    return plan
         capture_rows: dict[SiteKey, list[int]] = {}
         capture_meta: dict[SiteKey, list[tuple[str, list[int]]]] = {}
+        # (request index, position, token row) of each token a capture wants this step
+        block: list[tuple[int, int, int]] = []
         readers: list[tuple[int, Any]] = []
         gated: list[tuple[int, RowContent]] = []
         patch_rows: dict[SiteKey, list[tuple[int, torch.Tensor, float]]] = {}
@@ -85,8 +88,12 @@ class StepPlanner:
             if iv is None:
                 row0 += s.num_tokens
                 continue
-            if iv.capture is not None:
-                self._plan_capture(row0, s, iv, capture_rows, capture_meta)
+            if iv.capture is not None and s.seq.index == 0:
+                P = s.seq.num_prompt_tokens
+                wanted = [
+                    p for p in range(s.start, s.start + s.num_tokens) if iv.capture.wants(p, P)
+                ]
+                block += [(i, p, row0 + p - s.start) for p in wanted]
             if iv.probes and s.samples:  # probes read the residual a token is sampled from
                 readers.append((i, iv))
             if iv.decode_content.gates:
@@ -100,12 +107,20 @@ class StepPlanner:
                                 (row0 + pos - s.start, target, alpha)
                             )
             row0 += s.num_tokens
+        if len(block) > self.capture_rows:  # more than the buffer holds: eager copies
+            self._plan_eager_captures(sched, block, capture_rows, capture_meta)
+            block = []
+        if block:  # the fused op runs at every post_block: it writes the captures there
+            kernel_sites = kernel_sites | self.capture_sites
         if not (kernel_sites or consumers or capture_rows or patch_rows):
             return None
         # only the kernel reads them, so a step without kernel sites plans none
         steer_tokens = (
             self._plan_tokens(sched, bool(readers), dynamic_gain) if kernel_sites else None
         )
+        if block:
+            assert steer_tokens is not None
+            steer_tokens.capture_rows[[r for _, _, r in block]] = np.arange(len(block))
 
         def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -128,14 +143,53 @@ class StepPlanner:
             },
             view_sites=set(view_sites),
             decode_only=decode_only,
+            capture_block=bool(block),
+            block_captures=[(i, pos) for i, pos, _ in block],
         )
         # Cached unless planning itself moved the epoch (a gate met a sequence).
-        if key is not None and not (capture_rows or patch_rows) and key[0] == self._epoch:
-            self._plan_cache = (
-                key,
-                (steer_tokens, readers, gated, plan.read_index, plan.gate_index),
-            )
+        cacheable = not (capture_rows or patch_rows) and steer_tokens is not None
+        if key is not None and cacheable and key[0] == self._epoch:
+            entry = (steer_tokens, readers, gated, plan.read_index, plan.gate_index, capturers)
+            self._plan_cache = (key, entry)
         return plan
+
+    def _reuse(
+        self,
+        sched: SchedulerOutput,
+        kernel_sites: set[SiteKey],
+        steer_tokens: SteerTokens,
+        readers: list,
+        gated: list,
+        read_index: Any,
+        gate_index: Any,
+        capturers: list[tuple[int, Any]],
+    ) -> StepInterventions | None:
+        """The plan of the step before for the same all-decode sequences, with this step's
+        captures (each request's one token, at its next position); None when they do not
+        fit the capture buffer (the step is planned in full, with eager copies)."""
+        block = []
+        for i, cap in capturers:
+            s = sched.scheduled[i]
+            if cap.wants(s.start, s.seq.num_prompt_tokens):
+                block.append((i, s.start))
+        if len(block) > self.capture_rows:
+            return None
+        if capturers:  # this step's capture rows, on a copy of the steady fields
+            rows = np.full(len(sched.scheduled), -1, np.int32)
+            rows[[i for i, _ in block]] = np.arange(len(block), dtype=np.int32)
+            steer_tokens = dataclasses.replace(steer_tokens, capture_rows=rows)
+        return StepInterventions(
+            self.tables,
+            kernel_sites | self.capture_sites if block else kernel_sites,
+            steer_tokens,
+            readers=readers,
+            gated=gated,
+            read_index=read_index,
+            gate_index=gate_index,
+            decode_only=True,
+            capture_block=bool(block),
+            block_captures=block,
+        )
 
     def _plan_tokens(self, sched: SchedulerOutput, reads: bool, dynamic_gain: float) -> SteerTokens:
         """Each token's steering row, latched bits, decode flag, dynamic gain, read-out row
@@ -181,26 +235,26 @@ class StepPlanner:
             decode=np.asarray(decode, np.float32),
             gain=np.asarray(gain, np.float32),
             read_rows=read_rows if read_rows is not None else np.full(row0, -1, np.int32),
+            capture_rows=np.full(row0, -1, np.int32),
             carry=np.asarray(carry, np.bool_),
         )
 
     @staticmethod
-    def _plan_capture(
-        row0: int,
-        s: ScheduledSeq,
-        iv: Any,
+    def _plan_eager_captures(
+        sched: SchedulerOutput,
+        wanted: list[tuple[int, int, int]],
         capture_rows: dict[SiteKey, list[int]],
         capture_meta: dict[SiteKey, list[tuple[str, list[int]]]],
     ) -> None:
-        """Rows this sequence's captures copy, at each (layer, site)."""
-        seq, n = s.seq, s.num_tokens
-        assert iv.capture is not None
-        if seq.index != 0:
-            return
-        P = seq.num_prompt_tokens
-        positions = [p for p in range(s.start, s.start + n) if iv.capture.wants(p, P)]
-        if positions:
-            rows = [row0 + p - s.start for p in positions]
-            for key in iv.capture.sites:
+        """The rows each (layer, site) copies eagerly, for `wanted` captures given as
+        (request index, position, token row), grouped by request in order."""
+        by_request: dict[int, list[tuple[int, int]]] = {}
+        for i, p, r in wanted:
+            by_request.setdefault(i, []).append((p, r))
+        for i, entries in by_request.items():
+            group = sched.scheduled[i].seq.group
+            positions = [p for p, _ in entries]
+            rows = [r for _, r in entries]
+            for key in group.interventions.capture.sites:
                 capture_rows.setdefault(key, []).extend(rows)
-                capture_meta.setdefault(key, []).append((seq.group.request_id, positions))
+                capture_meta.setdefault(key, []).append((group.request_id, positions))

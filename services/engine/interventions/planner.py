@@ -22,6 +22,7 @@ import torch
 from services.engine.interventions.resolve import RowContent, SiteKey
 from services.engine.interventions.sites import SITES
 from services.engine.interventions.tables import SteeringTables
+from services.engine.kernels.capture import capture, capture_slot
 from services.engine.kernels.patch import patch
 from services.engine.kernels.steer import steer
 
@@ -37,12 +38,37 @@ class SteerTokens:
     decode: np.ndarray  # [T] float32: 1 on decode tokens
     gain: np.ndarray  # [T] float32: dynamic-tier gain (0 on prefill tokens)
     read_rows: np.ndarray  # [T] int32: the request's row of the scores, on tokens that read out
+    capture_rows: np.ndarray  # [T] int32: the token's row of `Readback.captures`, or -1
     carry: np.ndarray  # [T] bool: latch what the request's gates fired in the step before
 
 
 # What padding rows of a graph batch hold in each `SteerTokens` field: no steering, no
-# read-out, no carry.
-STEER_PAD = {"rows": 0, "latched": 0, "decode": 0, "gain": 0, "read_rows": -1, "carry": -1}
+# read-out, no capture, no carry.
+STEER_PAD = {
+    "rows": 0,
+    "latched": 0,
+    "decode": 0,
+    "gain": 0,
+    "read_rows": -1,
+    "capture_rows": -1,
+    "carry": -1,
+}
+
+
+@dataclass
+class CapturedBlock:
+    """One step's captured rows `[tokens, 3 x layers, H]` on the host (slot order of
+    `kernels.capture.capture_slot`), with the event their copy finishes on (CUDA)."""
+
+    host: torch.Tensor
+    done: Any = None  # torch.cuda.Event
+
+    def rows(self) -> torch.Tensor:
+        """The rows, once the copy has landed."""
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        return self.host
 
 
 class Readback:
@@ -52,11 +78,22 @@ class Readback:
     - `fired` [tokens] int32: gate bits each token fired this step;
     - `last_fired` [sequences] int32: the bits each sampled row of the step before fired
       (the latch carry reads it: with overlapped steps the host has not seen them yet);
-    - `scores` [sequences, layers, sites, columns] float32: read-out scores per request.
+    - `scores` [sequences, layers, sites, columns] float32: read-out scores per request;
+    - `captures` [capture rows, layers x sites, H] in the model's dtype: the residuals of
+      the tokens a step captures (None when `capture_rows` is 0). They come back on a copy
+      stream of their own (`copy_captures`), so the next step need not wait.
     """
 
     def __init__(
-        self, max_tokens: int, max_seqs: int, num_layers: int, columns: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        num_layers: int,
+        columns: int,
+        device: torch.device,
+        capture_rows: int = 0,
+        hidden: int = 0,
+        dtype: torch.dtype = torch.float32,
     ):
         self.on_cuda = device.type == "cuda"
         i32 = torch.int32
@@ -64,6 +101,12 @@ class Readback:
         self.last_fired = torch.zeros(max_seqs, dtype=i32, device=device)
         shape = (max_seqs, num_layers, len(SITES), columns)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.num_layers = num_layers
+        self.captures: torch.Tensor | None = None
+        if capture_rows > 0:
+            shape = (capture_rows, num_layers * len(SITES), hidden)
+            self.captures = torch.zeros(shape, dtype=dtype, device=device)
+        self._copy_stream = torch.cuda.Stream(device) if self.on_cuda and capture_rows else None
         self._hosts: dict[str, list[torch.Tensor]] = {}
         if self.on_cuda:
             self._hosts = {
@@ -93,6 +136,31 @@ class Readback:
             host.copy_(src, non_blocking=True)
         return out
 
+    def copy_captures(self, num_rows: int) -> CapturedBlock:
+        """Start bringing this step's `captures[:num_rows]` to the host: a device copy
+        behind the step (the next step overwrites the buffer), then a copy into pinned host
+        memory on a stream of its own, while the next step runs.
+
+        The pinned block lives as long as a request holds rows in it, then goes back to
+        PyTorch's pinned-memory cache for a later step: page-locking a fresh block costs
+        milliseconds (about 16 ms for 22 MB on an H100 host), reusing one costs nothing."""
+        assert self.captures is not None
+        staged = self.captures[:num_rows].clone()
+        if not self.on_cuda:
+            return CapturedBlock(staged)
+        ready = torch.cuda.Event()
+        ready.record()
+        stream = self._copy_stream
+        assert stream is not None
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        staged.record_stream(stream)  # not reused before the copy has read it
+        return CapturedBlock(host, done)
+
 
 @dataclass
 class StepInterventions:
@@ -118,6 +186,11 @@ class StepInterventions:
     # their latching bits, and per (gate site, bit) which of them have that gate; else None
     gate_index: tuple[np.ndarray, np.ndarray, list] | None = None
     decode_only: bool = False
+    # A step whose captures fit `Readback.captures` writes them there (every site of every
+    # layer, by the fused op at post_block and `capture` where no op runs): per buffer row,
+    # the capturing request's index in the schedule and the position captured.
+    capture_block: bool = False
+    block_captures: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.gated and self.decode_only and self.gate_index is None:
@@ -142,6 +215,7 @@ class StepInterventions:
         # [requests, layers, sites, columns] float32.
         self.fired: torch.Tensor | None = None
         self.scores: np.ndarray | None = None
+        self.captured_block: CapturedBlock | None = None
 
     @property
     def reads_scores(self) -> bool:
@@ -156,6 +230,7 @@ class StepInterventions:
         self.fired = host.get("fired")
         scores = host.get("scores")
         self.scores = scores.numpy() if scores is not None else None
+        self.captured_block = host.get("captures")
 
     def probe_values(self) -> list[float]:
         """Every reader's probe scores, readers in order and each one's probes in order."""
@@ -177,9 +252,39 @@ class StepInterventions:
     def bind(self, readback: Readback, *views: torch.Tensor) -> None:
         """The device views of `steer_tokens` in the uploaded step batch (each [T], in
         `SteerTokens` field order), and the buffers the fused op writes for the host."""
-        self.rows, self.latched, self.decode, self.dyn_gain, self.read_rows, self.carry = views
+        (
+            self.rows,
+            self.latched,
+            self.decode,
+            self.dyn_gain,
+            self.read_rows,
+            self.capture_rows,
+            self.carry,
+        ) = views
         self.readback = readback
         self._fired = readback.fired[: len(self.rows)]  # [T]: ORed into by the gates
+
+    def capture_at(self, layer: int, site: str, h: torch.Tensor) -> None:
+        """In a block-capturing step, write each capturing token's residual at (layer, site)
+        into its row of the capture buffer (where no fused op does it)."""
+        if self.capture_block:
+            assert self.readback is not None and self.readback.captures is not None
+            capture(h, self.capture_rows, self.readback.captures, capture_slot(layer, site))
+
+    def _capture_args(self, layer: int, site: str) -> dict:
+        """The fused op's capture arguments at (layer, site): the pristine residual to its
+        own slot, and at post_block the output to the next layer's pre_attn slot."""
+        if not self.capture_block:
+            return {}
+        assert self.readback is not None
+        last = self.readback.num_layers - 1
+        has_next = site == "post_block" and layer < last
+        return {
+            "capture_rows": self.capture_rows,
+            "capture_out": self.readback.captures,
+            "capture_slot": capture_slot(layer, site),
+            "capture_next": capture_slot(layer + 1, "pre_attn") if has_next else -1,
+        }
 
     def reset_fired(self) -> None:
         """Zero the step's fired bits before the forward (the gates OR theirs in)."""
@@ -213,6 +318,8 @@ class StepInterventions:
         if add is not None and not fused:
             if norm is not None and not (runs_op or other):
                 normed, h = norm(add, h)  # nothing at this site: the plain fused add + norm
+                if site != "pre_attn":  # (pre_attn is written where its residual is made)
+                    self.capture_at(layer, site, h)
                 return h, normed
             h, add = h + add, None
         idx = self.capture_index.get(key)
@@ -224,6 +331,8 @@ class StepInterventions:
         if key in self.patch_index:
             patched = patch(h, *self.patch_index[key])
         if not runs_op:
+            if site != "pre_attn":
+                self.capture_at(layer, site, h)
             out = h if patched is None else patched
             return out, (norm(out) if norm is not None else None)
         result = steer(
@@ -241,6 +350,7 @@ class StepInterventions:
             last_fired=self.readback.last_fired,
             norm_weight=norm.weight if norm is not None and fused else None,
             eps=norm.eps if norm is not None else 0.0,
+            **self._capture_args(layer, site),
             **self.tables.site_args(layer, site),
         )
         if norm is None:

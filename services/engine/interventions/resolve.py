@@ -95,6 +95,11 @@ class ResolvedCapture:
     positions: str | frozenset[int]
     run: str | None = None  # also write to the patch-source store under this run id
 
+    @functools.cached_property
+    def keys(self) -> list[str]:
+        """Its sites as `"<layer>.<site>"` keys, in `sites` order."""
+        return [site_key(L, s) for L, s in self.sites]
+
     def wants(self, position: int, num_prompt_tokens: int) -> bool:
         p = self.positions
         if p == "last_prompt":

@@ -53,7 +53,8 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         row = tl.load(rows_ptr + t)
         if row >= 0:
-            dst = out_ptr + row.to(tl.int64) * stride_row + slot.to(tl.int64) * H
+            # (no .to on `slot`: Triton passes a 1 as a plain int)
+            dst = out_ptr + row.to(tl.int64) * stride_row + slot * H
             cols = tl.arange(0, BLOCK_H)
             for start in range(0, H, BLOCK_H):
                 c = start + cols

@@ -241,7 +241,7 @@ if triton is not None:
                 a = tl.load(add_ptr + t * stride_add + c, mask=m, other=0.0)
                 x = (x.to(tl.float32) + a.to(tl.float32)).to(out_ptr.dtype.element_ty)
             if HAS_CAPTURE:
-                dst = cap_ptr + cap_row * stride_cap + cap_slot.to(tl.int64) * H + c
+                dst = cap_ptr + cap_row * stride_cap + cap_slot * H + c
                 tl.store(dst, x.to(cap_ptr.dtype.element_ty), mask=m & capturing)
             x = x.to(tl.float32)
             mp = tl.load(mon_probe_ptr + c, mask=m, other=0.0).to(tl.float32)
@@ -302,7 +302,7 @@ if triton is not None:
             y = y.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + t * stride_out + c, y, mask=m)
             if HAS_CAPTURE_NEXT:
-                dst = cap_ptr + cap_row * stride_cap + cap_next.to(tl.int64) * H + c
+                dst = cap_ptr + cap_row * stride_cap + cap_next * H + c
                 tl.store(dst, y.to(cap_ptr.dtype.element_ty), mask=m & capturing)
             if HAS_NORM:  # the norm reads the output as rounded
                 y32 = tl.where(m, y.to(tl.float32), 0.0)

@@ -141,6 +141,7 @@ class DecoderLayer(nn.Module):
                 normed = self.input_layernorm(h)
             a = self.self_attn(positions, normed, meta)
             normed, h = self.post_attention_layernorm(a, h)
+            iv.capture_at(L, "post_attn", h)  # only a block-capturing step writes here
             # blocks.L.hook_resid_post
             return iv.apply_and_norm(L, "post_block", h, add=self.mlp(normed), norm=next_norm)
         h = iv.apply(L, "pre_attn", h)  # blocks.L.hook_resid_pre
@@ -216,6 +217,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             # Each layer also computes the norm after it where nothing intervenes in
             # between: the next layer's input norm, or after the last, the final norm.
             layers = list(self.layers.values())
+            if layers:  # the first layer's pre_attn; later ones come from the op before
+                interventions.capture_at(layers[0].layer_idx, "pre_attn", h)
             normed = None
             for j, layer in enumerate(layers):
                 if j + 1 < len(layers):
