@@ -43,7 +43,11 @@ from services.engine.interventions.actions import SteeringMonitorUpdate
 from services.engine.model.config import load_model_config
 from services.engine.model_runner import PendingStep
 
-CAPTURE = {"sites": {"post_block": "all"}, "positions": "last_prompt"}
+# Every layer at every site: the prompt's last token (in the prefill step), or each generated
+# token (every decode step).
+ALL_SITES = {site: "all" for site in ("pre_attn", "post_attn", "post_block")}
+CAPTURE = {"sites": ALL_SITES, "positions": "last_prompt"}
+CAPTURE_DECODE = {"sites": ALL_SITES, "positions": "all_generated"}
 
 
 @dataclass
@@ -151,7 +155,9 @@ def read_back_configs(
     engine actions before, actions after):
     - "monitor+gate": each request steered (8 configs, at `layers`) with its rows gated by
       a monitor at each of those sites, plus a `rest_of_request` gate of its own;
-    - "readouts x4": each request reads 4 probes, spread over the layers, on every token."""
+    - "readouts x4": each request reads 4 probes, spread over the layers, on every token;
+    - "capture x3 sites": each request captures every generated token at all 3 sites of
+      every layer."""
     H = vectors.shape[1]
     probes = steering_vectors(5, H, 777)  # unit vectors
     gated = []
@@ -177,6 +183,7 @@ def read_back_configs(
     return {
         "monitor+gate": (gated, monitors, cleared),
         f"readouts x{len(reads)}": ([greedy(n, readouts=reads)], [], []),
+        "capture x3 sites": ([greedy(n, capture=CAPTURE_DECODE)], [], []),
     }
 
 
@@ -226,6 +233,7 @@ def decode_rates(
             for _ in range(4):
                 engine.step()
             sync(device)
+            counts = graph_counts(engine.runner)
             start = last = time.perf_counter()
             for _ in range(steps):
                 waited[0] = 0.0
@@ -236,7 +244,7 @@ def decode_rates(
                 last = now
             sync(device)
             best[name] = max(best[name], len(prompts) * steps / (time.perf_counter() - start))
-            ms = replay_ms(engine.runner, len(prompts), steered=name != "coxswain unsteered")
+            ms = replay_ms(engine.runner, len(prompts), graph_kind(engine.runner, counts))
             if ms is not None:
                 gpu_ms[name] = min(gpu_ms.get(name, ms), ms)
             for rid in list(engine.requests):
@@ -251,9 +259,22 @@ def decode_rates(
     return median, best, gpu_ms, host_ms
 
 
-def replay_ms(runner: Any, batch: int, steered: bool, n: int = 50) -> float | None:
-    """GPU ms per replay of the decode graph for `batch` rows (None without graphs)."""
-    graphs = runner.steered_graphs if steered else runner.graphs
+def graph_counts(runner: Any) -> dict[str, int]:
+    """How many steps so far replayed each kind of decode graph."""
+    return {"steered": runner.num_steered_graph_steps, "capture": runner.num_capture_graph_steps}
+
+
+def graph_kind(runner: Any, before: dict[str, int]) -> str:
+    """The kind of graph the steps since `before` (`graph_counts`) replayed."""
+    now = graph_counts(runner)
+    return next((k for k in ("capture", "steered") if now[k] > before[k]), "plain")
+
+
+def replay_ms(runner: Any, batch: int, kind: str, n: int = 50) -> float | None:
+    """GPU ms per replay of the decode graph of `kind` (plain, steered or capture) for
+    `batch` rows (None without graphs)."""
+    graphs = {"plain": runner.graphs, "steered": runner.steered_graphs}
+    graphs = graphs.get(kind, getattr(runner, "capture_graphs", {}))
     if not graphs or batch > runner.graph_sizes[-1]:
         return None
     graph = graphs[min(b for b in runner.graph_sizes if b >= batch)].graph
@@ -504,17 +525,20 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         for a, b in ((plain, hf["hf unsteered"]), (by_k[args.hf_k], hf[hf_name])):
             same = n - changed(a, b)
             print(f"{a.config} and {b.config}: outputs identical in {same}/{n} requests")
-    want = {f"{layer}.post_block" for layer in range(L)}
+    want = {f"{layer}.{site}" for layer in range(L) for site in ALL_SITES}
     complete = sum(
         c is not None and set(c) == want and all(t.shape == (1, H) for t in c.values())
         for c in cap.captures
     )
-    print(f"coxswain capture: all {L} layers' last-prompt residual in {complete}/{n} requests")
+    print(
+        f"coxswain capture: all {L} layers' last-prompt residual at 3 sites in {complete}/{n} "
+        "requests"
+    )
     if complete < n:
         print("WARNING: some captures are missing or misshapen")
 
     if args.decode_steps:
-        decode_configs = {name: c for name, c in configs.items() if name != "coxswain capture"}
+        decode_configs = dict(configs)  # "coxswain capture" decodes after a prompt capture
         extra = read_back_configs(vectors, layers, L, args.scale, n_out)
         decode_configs |= {name: params for name, (params, _, _) in extra.items()}
         actions = {name: (before, after) for name, (_, before, after) in extra.items()}
