@@ -57,9 +57,10 @@ class EngineConfig:
     graph_steering_sites: tuple[str, ...] = ("post_block",)
     # Steps that capture write each capturing token's residual at every (layer, site) into
     # a fixed buffer of this many token rows (None: max_num_seqs), allocated at start (rows
-    # x 3 x layers x hidden in the model dtype), and bring it back with one copy: decode
-    # steps replay a CUDA graph and overlap like any intervened step. A step with more
-    # capturing tokens, or 0 here, copies each (layer, site) eagerly.
+    # x 3 x layers x hidden in the model dtype; on CUDA three times that, with the two
+    # staging buffers of its copy out), and bring it back with one copy: decode steps
+    # replay a CUDA graph and overlap like any intervened step. A step with more capturing
+    # tokens, or 0 here, copies each (layer, site) eagerly.
     graph_capture_rows: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).

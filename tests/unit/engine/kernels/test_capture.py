@@ -3,11 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,8 +12,7 @@ from services.engine.kernels.capture import (
     capture_slot,
     capture_triton,
 )
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.interpreted import INTERPRETED, assert_passes_interpreted
 
 
 def _case(T: int, H: int, slots: int = 6, dtype=torch.float32):
@@ -48,17 +42,7 @@ def test_capturing_tokens_write_their_row_at_the_slot_and_nothing_else():
 @pytest.mark.skipif(INTERPRETED, reason="already interpreting: the kernel tests run here")
 def test_triton_under_interpreter():
     pytest.importorskip("triton")
-    select = "triton and not under_interpreter"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
-        cwd=Path(__file__).parents[4],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+    assert_passes_interpreted(__file__, "triton and not under_interpreter")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")

@@ -5,11 +5,6 @@ process (as in test_steer.py), and in bf16 on the device (tests/gpu/test_fused_k
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,6 +22,7 @@ from services.engine.kernels.norm_rope import (
     rotary_triton,
 )
 from services.engine.kernels.steer import INTERPRET
+from tests.interpreted import assert_passes_interpreted
 
 interpreted_only = pytest.mark.skipif(
     not INTERPRET, reason="run under TRITON_INTERPRET=1 by test_triton_under_interpreter"
@@ -123,26 +119,7 @@ def test_norm_and_rotary_references_are_the_model_math():
 
 def test_triton_under_interpreter():
     pytest.importorskip("triton")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "interpreted",
-        ],
-        cwd=Path(__file__).parents[4],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+    assert_passes_interpreted(__file__, "interpreted")
 
 
 @interpreted_only

@@ -3,15 +3,11 @@ against the reference (interpreted on CPU in a fresh process, as in test_steer.p
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from services.engine.kernels.patch import patch_reference, patch_triton
+from tests.interpreted import INTERPRETED, assert_passes_interpreted
 
 
 def case(T: int = 10, H: int = 48, P: int = 4, dtype=torch.float32, device="cpu", seed=0):
@@ -46,32 +42,10 @@ def test_alpha_zero_is_a_no_op_and_alpha_interpolates():
     assert torch.equal(patch_reference(h, rows[:0], targets[:0], alpha[:0]), h)
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @pytest.mark.skipif(INTERPRETED, reason="already interpreting: the kernel tests run here")
 def test_triton_under_interpreter():
     pytest.importorskip("triton")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "triton and not under_interpreter",
-        ],
-        cwd=Path(__file__).parents[4],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+    assert_passes_interpreted(__file__, "triton and not under_interpreter")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1 by the test above")

@@ -7,16 +7,12 @@ tests run in a fresh pytest process with TRITON_INTERPRET=1 set from the start.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from services.engine.kernels import steer as steer_module
 from services.engine.kernels.steer import steer, steer_reference, steer_triton
+from tests.interpreted import INTERPRETED, assert_passes_interpreted
 
 # gate_params columns
 ACTIVE, THRESHOLD, SHARPNESS, SCALE, ATTENUATE, BIT, LATCH = range(7)
@@ -101,7 +97,6 @@ def run(fn, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- the Triton kernel, interpreted, against the reference ---
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="run under TRITON_INTERPRET=1 by test_triton_under_interpreter"
 )
@@ -110,17 +105,7 @@ interpreted_only = pytest.mark.skipif(
 @pytest.mark.skipif(INTERPRETED, reason="already interpreting: the kernel tests run here")
 def test_triton_under_interpreter():
     pytest.importorskip("triton")
-    select = "triton and not under_interpreter"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
-        cwd=Path(__file__).parents[4],  # the repo root, so `services` imports
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+    assert_passes_interpreted(__file__, "triton and not under_interpreter")
 
 
 @interpreted_only
