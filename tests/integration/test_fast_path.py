@@ -361,9 +361,10 @@ def test_decode_captures_through_the_block_equal_eager_copies(model_dir):
         ref = eager[rid]
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.capture_positions == ref.capture_positions
-        assert len(out.capture_positions) == len(out.prompt_token_ids) + len(
-            out.outputs[0].token_ids
-        ) - 1  # every position but the last sampled one, which is never fed
+        assert (
+            len(out.capture_positions)
+            == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+        )  # every position but the last sampled one, which is never fed
         assert sorted(out.captures) == sorted(ref.captures) and len(out.captures) == 3 * L
         for key, rows in out.captures.items():
             torch.testing.assert_close(rows, ref.captures[key], atol=1e-5, rtol=1e-5)
