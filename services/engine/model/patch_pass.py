@@ -149,10 +149,13 @@ class _Layout:
         return self.ends[members - 1] if members else 0
 
 
-def _layout(job: PassJob, base: list[list[int]], device: torch.device) -> _Layout:
-    n_corrupt = len(job.corrupt_ids)
+def _layout(
+    n_corrupt: int, cells: list[PassCell], base: list[list[int]], device: torch.device
+) -> _Layout:
+    """The layout of the `base` prompts (embedded at the start) and then `cells` (in join
+    order) in one packed residual."""
     spans = [(0, len(ids), -1) for ids in base]  # (first position, length, join)
-    spans += [(c.position, n_corrupt, c.join) for c in job.cells]
+    spans += [(c.position, n_corrupt, c.join) for c in cells]
     longest = max(length for _, length, _ in spans)
     positions, pad, ends, last = [], [], [], []
     for m, (first, length, _) in enumerate(spans):
@@ -185,21 +188,21 @@ def run_patch_pass(model, job: PassJob) -> PassResult:
     if job.clean_ids is not None:
         clean_member = len(base)
         base.append(job.clean_ids)
-    cells = sorted(range(len(job.cells)), key=lambda i: job.cells[i].join)
-    ordered = PassJob(job.corrupt_ids, [job.cells[i] for i in cells], job.token_ids)
-    lay = _layout(ordered, base, device)
+    order = sorted(range(len(job.cells)), key=lambda i: job.cells[i].join)
+    cells = [job.cells[i] for i in order]
+    lay = _layout(len(job.corrupt_ids), cells, base, device)
     n_base = len(base)
 
     # Each join point's cells: rows to fill from the corrupt run, the patched rows, sources.
     joins: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     clean_start = lay.rows_of(clean_member) if clean_member is not None else 0
     by_point: dict[int, list[int]] = {}
-    for k, c in enumerate(ordered.cells):
+    for k, c in enumerate(cells):
         by_point.setdefault(c.join, []).append(k)
     for point, ks in by_point.items():
         dst, src, rows, sources = [], [], [], []
         for k in ks:
-            c, start = ordered.cells[k], lay.rows_of(n_base + k)
+            c, start = cells[k], lay.rows_of(n_base + k)
             dst += range(start, start + len(job.corrupt_ids) - c.position)
             src += range(c.position, len(job.corrupt_ids))  # the corrupt run's rows
             rows.append(start)
@@ -242,7 +245,7 @@ def run_patch_pass(model, job: PassJob) -> PassResult:
     logprobs = torch.log_softmax(model.compute_logits(last).float(), dim=-1)
     picked = logprobs[:, torch.tensor(job.token_ids, device=device)].cpu()  # [M, K]
     result = torch.empty(len(job.cells), len(job.token_ids))
-    result[torch.tensor(cells, dtype=torch.long)] = picked[n_base:]
+    result[torch.tensor(order, dtype=torch.long)] = picked[n_base:]
     return PassResult(
         corrupt=picked[0],
         cells=result,
