@@ -30,6 +30,7 @@ layer costs the plain one's kernel count.
 """
 
 import os
+from typing import Any
 
 import torch
 
@@ -438,65 +439,9 @@ def steer_triton(
 
 
 def steer(
-    h: torch.Tensor,
-    rows: torch.Tensor,
-    decode: torch.Tensor,
-    vec: torch.Tensor,
-    row_scale: torch.Tensor,
-    dyn_vec: torch.Tensor,
-    dyn_gain: torch.Tensor,
-    mon_probe: torch.Tensor,
-    mon_params: torch.Tensor,
-    gate_probe: torch.Tensor,
-    gate_vec: torch.Tensor,
-    gate_params: torch.Tensor,
-    latched: torch.Tensor,
-    fired: torch.Tensor,
-    base: torch.Tensor | None = None,
-    add: torch.Tensor | None = None,
-    probe_bank: torch.Tensor | None = None,
-    probe_count: torch.Tensor | None = None,
-    read_rows: torch.Tensor | None = None,
-    scores: torch.Tensor | None = None,
-    carry: torch.Tensor | None = None,
-    last_fired: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    capture_rows: torch.Tensor | None = None,
-    capture_out: torch.Tensor | None = None,
-    capture_slot: int = -1,
-    capture_next: int = -1,
+    h: torch.Tensor, *args: Any, **kwargs: Any
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The steered residual (and with `norm_weight` its RMSNorm): Triton on CUDA or under
+    """`steer_reference` (its arguments and result): Triton on CUDA or under
     TRITON_INTERPRET=1, else the reference."""
     fn = steer_triton if triton is not None and (h.is_cuda or INTERPRET) else steer_reference
-    return fn(
-        h,
-        rows,
-        decode,
-        vec,
-        row_scale,
-        dyn_vec,
-        dyn_gain,
-        mon_probe,
-        mon_params,
-        gate_probe,
-        gate_vec,
-        gate_params,
-        latched,
-        fired,
-        base,
-        add,
-        probe_bank,
-        probe_count,
-        read_rows,
-        scores,
-        carry,
-        last_fired,
-        norm_weight,
-        eps,
-        capture_rows,
-        capture_out,
-        capture_slot,
-        capture_next,
-    )
+    return fn(h, *args, **kwargs)
