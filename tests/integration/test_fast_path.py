@@ -367,7 +367,7 @@ def test_decode_captures_through_the_block_equal_eager_copies(model_dir):
         )  # every position but the last sampled one, which is never fed
         assert sorted(out.captures) == sorted(ref.captures) and len(out.captures) == 3 * L
         for key, rows in out.captures.items():
-            torch.testing.assert_close(rows, ref.captures[key], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(rows, ref.captures[key], atol=1e-4, rtol=1e-4)
     sink = engine.interventions.sink
     assert not (sink._rows or sink._blocks), "a finished request's captures are dropped"
 
@@ -378,7 +378,7 @@ def test_a_step_with_more_capturing_tokens_than_buffer_rows_copies_eagerly(model
     assert counts["block"] > 0 and counts["eager"] > 0  # alone it fits; together they do not
     for rid, out in few.items():
         for key, rows in out.captures.items():
-            torch.testing.assert_close(rows, eager[rid].captures[key], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(rows, eager[rid].captures[key], atol=1e-4, rtol=1e-4)
 
 
 def _req(seq_id, tokens, start, blocks, samples=True) -> StepRequest:
