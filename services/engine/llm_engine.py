@@ -110,6 +110,7 @@ class LLMEngine:
             self.max_model_len = num_blocks * cfg.block_size
         self.runner.max_model_len = self.max_model_len
         self.runner.allocate_kv_cache(num_blocks)
+        capture_rows = self._capture_rows()
         self.interventions = InterventionManager(
             self.model_config.num_layers,
             self.model_config.hidden_size,
@@ -119,7 +120,7 @@ class LLMEngine:
             dynamic_rows=cfg.steering_dynamic_rows,
             probe_columns=cfg.readout_probes_per_site,
             action_queue_size=cfg.action_queue_size,
-            capture_rows=self._capture_rows(),
+            capture_rows=capture_rows,
         )
         self.runner.readback = Readback(
             self.runner.max_num_batched_tokens,
@@ -127,7 +128,7 @@ class LLMEngine:
             self.model_config.num_layers,
             cfg.readout_probes_per_site,
             self.device,
-            capture_rows=self._capture_rows(),
+            capture_rows=capture_rows,
             hidden=self.model_config.hidden_size,
             dtype=self.dtype,
         )

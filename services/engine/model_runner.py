@@ -38,6 +38,7 @@ from services.engine.interventions.planner import (
     Readback,
     SteerTokens,
     StepInterventions,
+    block_capture_sites,
 )
 from services.engine.interventions.resolve import SiteKey
 from services.engine.interventions.tables import SteeringTables
@@ -429,7 +430,7 @@ class ModelRunner:
         steered = steering is not None and bool(steer_sites)
         assert not steered or self.readback is not None, "the readback goes with the tables"
         captures = steering is not None and self.readback.captures is not None
-        capture_sites = steer_sites | {(L, "post_block") for L in range(self.cfg.num_layers)}
+        capture_sites = steer_sites | block_capture_sites(self.cfg.num_layers)
         pool = None
         for size in reversed(sizes):
             inputs = sb.attention_inputs(size, size, self.block_size, list(range(size + 1)), [0])

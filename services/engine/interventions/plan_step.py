@@ -21,7 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.engine.interventions.planner import SteerTokens, StepInterventions
+from services.engine.interventions.planner import (
+    SteerTokens,
+    StepInterventions,
+    block_capture_sites,
+)
 from services.engine.interventions.resolve import RowContent, SiteKey
 from services.engine.interventions.tables import ZERO_ROW, SteeringTables
 from services.engine.scheduler import SchedulerOutput
@@ -35,7 +39,7 @@ class StepPlanner:
         # Rows of the fixed capture buffer (0: every capture is an eager copy), and the
         # sites a block-capturing step runs the fused op at (post_block of every layer).
         self.capture_rows = capture_rows
-        self.capture_sites = frozenset((L, "post_block") for L in range(tables.num_layers))
+        self.capture_sites = block_capture_sites(tables.num_layers)
         self.steps = 0  # steps planned
         self._epoch = 0
         self._plan_cache: tuple[tuple, tuple] | None = None

@@ -55,6 +55,12 @@ STEER_PAD = {
 }
 
 
+def block_capture_sites(num_layers: int) -> frozenset[SiteKey]:
+    """Where a block-capturing step runs the fused op, which writes the captures there:
+    post_block of every layer (`StepInterventions.capture_at` covers the other sites)."""
+    return frozenset((L, "post_block") for L in range(num_layers))
+
+
 @dataclass
 class CapturedBlock:
     """One step's captured rows `[tokens, 3 x layers, H]` on the host (slot order of
