@@ -149,15 +149,16 @@ def run_coxswain(
 
 
 def read_back_configs(
-    vectors: torch.Tensor, layers: list[int], num_layers: int, scale: float, n: int
+    vectors: torch.Tensor, layers: list[int], num_layers: int, scale: float, n: int, adapters: int
 ) -> dict[str, tuple[list[SamplingParams], list[Any], list[Any]]]:
-    """The decode configs whose results come back from the device, as (per-request params,
-    engine actions before, actions after):
+    """The decode configs beyond steering, as (per-request params, engine actions before,
+    actions after):
     - "monitor+gate": each request steered (8 configs, at `layers`) with its rows gated by
       a monitor at each of those sites, plus a `rest_of_request` gate of its own;
     - "readouts x4": each request reads 4 probes, spread over the layers, on every token;
     - "capture x3 sites": each request captures every generated token at all 3 sites of
-      every layer."""
+      every layer;
+    - "adapters xN": request i runs under δ-adapter i % N (`load_adapters`; none for 0)."""
     H = vectors.shape[1]
     probes = steering_vectors(5, H, 777)  # unit vectors
     gated = []
@@ -180,11 +181,27 @@ def read_back_configs(
         {"probe": probes[j].tolist(), "layer": layer, "name": f"probe{j}"}
         for j, layer in enumerate(at)
     ]
-    return {
+    configs = {
         "monitor+gate": (gated, monitors, cleared),
         f"readouts x{len(reads)}": ([greedy(n, readouts=reads)], [], []),
         "capture x3 sites": ([greedy(n, capture=CAPTURE_DECODE)], [], []),
     }
+    if adapters:
+        by_adapter = [greedy(n, adapter=f"adapter{j}") for j in range(adapters)]
+        configs[f"adapters x{adapters}"] = (by_adapter, [], [])
+    return configs
+
+
+def load_adapters(llm: LLM, count: int, scale: float, seed: int) -> None:
+    """`count` δ-adapters (random δ of norm `scale` per target module, no quarantine)."""
+    bank = llm.engine.adapters
+    g = torch.Generator().manual_seed(seed)
+    for j in range(count):
+        state = {}
+        for name in bank.modules:
+            delta = torch.randn(bank.rank, generator=g)
+            state[name] = {"kept": scale * delta / delta.norm()}
+        llm.engine.load_adapter(f"adapter{j}", state)
 
 
 def decode_rates(
@@ -261,20 +278,25 @@ def decode_rates(
 
 def graph_counts(runner: Any) -> dict[str, int]:
     """How many steps so far replayed each kind of decode graph."""
-    return {"steered": runner.num_steered_graph_steps, "capture": runner.num_capture_graph_steps}
+    return {
+        "steered": runner.num_steered_graph_steps,
+        "capture": runner.num_capture_graph_steps,
+        "adapted": runner.num_adapted_graph_steps,
+    }
 
 
-def graph_kind(runner: Any, before: dict[str, int]) -> str:
-    """The kind of graph the steps since `before` (`graph_counts`) replayed."""
+def graph_kind(runner: Any, before: dict[str, int]) -> tuple[str, bool]:
+    """The kind of graph the steps since `before` (`graph_counts`) replayed, and whether
+    it was an adapted one."""
     now = graph_counts(runner)
-    return next((k for k in ("capture", "steered") if now[k] > before[k]), "plain")
+    kind = next((k for k in ("capture", "steered") if now[k] > before[k]), "plain")
+    return kind, now["adapted"] > before["adapted"]
 
 
-def replay_ms(runner: Any, batch: int, kind: str, n: int = 50) -> float | None:
-    """GPU ms per replay of the decode graph of `kind` (plain, steered or capture) for
-    `batch` rows (None without graphs)."""
-    graphs = {"plain": runner.graphs, "steered": runner.steered_graphs}
-    graphs = graphs.get(kind, getattr(runner, "capture_graphs", {}))
+def replay_ms(runner: Any, batch: int, key: tuple[str, bool], n: int = 50) -> float | None:
+    """GPU ms per replay of the decode graph of `key` (`graph_kind`) for `batch` rows (None
+    without graphs)."""
+    graphs = runner.graph_sets.get(key)
     if not graphs or batch > runner.graph_sizes[-1]:
         return None
     graph = graphs[min(b for b in runner.graph_sizes if b >= batch)].graph
@@ -355,6 +377,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--hf-k", type=int, default=8, help="distinct configs of the HF hooks run")
     w.add_argument("--steer-layers", help="comma-separated (default: layers L/3 and 2L/3)")
     w.add_argument("--scale", type=float, default=4.0, help="scale of the unit vectors")
+    w.add_argument(
+        "--adapters",
+        type=int,
+        default=8,
+        help="distinct δ-adapters of the decode row (0: no row; loading computes each target "
+        "Linear's SVD on the CPU, minutes for a Llama-3-8B shape)",
+    )
+    w.add_argument(
+        "--adapter-scale", type=float, default=1.0, help="norm of each adapter's δ per module"
+    )
     e = p.add_argument_group("engines")
     e.add_argument("--hf-batch-size", type=int, help="default: num-seqs")
     e.add_argument("--skip-hf", action="store_true", help="run Coxswain only")
@@ -458,6 +490,7 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         # first would skip most of its prefill (and steered prefills would not).
         enable_prefix_caching=False,
         steering_request_rows=max(256, *args.ks),  # the default pool, or more if K needs it
+        adapter_capacity=args.adapters if args.decode_steps else 0,
         seed=args.seed,
     )
     k_names = {
@@ -538,8 +571,10 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         print("WARNING: some captures are missing or misshapen")
 
     if args.decode_steps:
+        if args.adapters:
+            load_adapters(llm, args.adapters, args.adapter_scale, args.seed)
         decode_configs = dict(configs)  # "coxswain capture" decodes after a prompt capture
-        extra = read_back_configs(vectors, layers, L, args.scale, n_out)
+        extra = read_back_configs(vectors, layers, L, args.scale, n_out, args.adapters)
         decode_configs |= {name: params for name, (params, _, _) in extra.items()}
         actions = {name: (before, after) for name, (_, before, after) in extra.items()}
         rates, best, gpu_ms, host_ms = decode_rates(
@@ -564,9 +599,15 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
             print(line)
         stats = llm.engine.stats()
         print(
-            f"graph steps: {stats['num_graph_steps']} (steered {stats['num_steered_graph_steps']}),"
-            f" eager steps: {stats['num_eager_steps']}"
+            f"graph steps: {stats['num_graph_steps']} (steered {stats['num_steered_graph_steps']},"
+            f" adapted {stats['num_adapted_graph_steps']}), eager steps: {stats['num_eager_steps']}"
         )
+        if args.adapters:  # they must change outputs, or a no-op adapter path looks free
+            name = f"adapters x{args.adapters}"
+            count = changed(run_coxswain(llm, name, work, extra[name][0], device), plain)
+            print(f"{name}: changed the greedy output of {count}/{n} requests")
+            if count == 0:
+                print("WARNING: the adapters changed no output: were they applied?")
 
     print()
     if hf and args.hf_k in by_k:

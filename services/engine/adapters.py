@@ -8,24 +8,24 @@ An adapter changes a target Linear `W` (`[out, in]`, `y = x Wᵀ`) to
 quarantine is an SVD-basis vector δS_q (trained: `δS + δS_q`), a LoRA `B_q A_q`
 (`A_q [k, in]`, `B_q [out, k]`; trained: `W + U·diag(δS)·Vᵀ + B_q A_q`), or both (they add).
 
-`AdapterBank` holds, per target module, the basis and a table of δ rows — row 0 is zero
-(no adapter), then two rows (trained, deploy) per loaded adapter — and each step tells every
-adapted Linear which row each token uses. So requests with different adapters, the ablated
-variant, or none share one batch, at the cost of one `[T, in]·[in, r]` and one
-`[T, r]·[r, out]` matmul per target module. LoRA quarantines live side by side in one
-`[capacity·k_max, in]` / `[out, capacity·k_max]` pair per module (slot s in columns
-`[s·k_max, (s+1)·k_max)`, zero-padded; `k_max` is the largest LoRA rank loaded so far, and the
-buffers only grow): a step with a token on a LoRA adapter's trained row adds
-`(where(mask, x A_allᵀ, 0)) B_allᵀ`, the `[T, capacity·k_max]` mask built once per step from
-the token rows, and a step without one does no LoRA work at all. Weight sync sends only the
-δ vectors (and a LoRA's two factors); loading a new version changes the requests' cache salt,
-so prefix-cache blocks computed under the old weights are never reused.
+`AdapterBank` holds, per target module, one set of shared directions and a coefficient
+table. The directions are the basis (`V`, `U`: r columns) and every slot's LoRA factors side
+by side (`A_sᵀ`, `B_s`: k_max columns per slot, zero-padded). The table's row 0 is zero (no
+adapter), then two rows (trained, deploy) per loaded adapter: δ in the basis columns, and on a
+LoRA adapter's trained row 1 in its own slot's columns. Each step gives every token its row,
+and one batched op per target Linear (`kernels/lowrank.py`: shrink by the directions, scale
+by the token's row, expand) adds every token's own term. So requests with different adapters,
+the ablated variant, or none share one batch (and one CUDA graph), and a step where no token
+uses an adapter runs no adapter op at all. Weight sync sends only the δ vectors (and a LoRA's
+two factors); loading a new version changes the signature of the positions computed under it
+from then on, so prefix-cache blocks computed under the old weights are never reused.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import InvalidRequestError, NotFoundError
+from services.engine.kernels.lowrank import lowrank_expand
+
+log = logging.getLogger(__name__)
 
 Variant = Literal["trained", "deploy"]
 VARIANTS: tuple[Variant, ...] = ("trained", "deploy")
@@ -98,88 +101,114 @@ class LoadedAdapter:
 
 
 class AdaptedLinear(nn.Module):
-    """A target Linear plus the bank's per-token low-rank term (nothing when no token of
-    the step uses an adapter) and LoRA term (nothing when no token uses a LoRA quarantine)."""
+    """A target Linear plus the bank's per-token low-rank term (`kernels/lowrank.py`),
+    which runs only in steps where some token uses an adapter.
 
-    def __init__(self, base: nn.Module, bank: AdapterBank, name: str, rank: int):
+    Columns of `basis_in [in, R]` / `basis_out [out, R]`: the SVD basis (`V`, `U`, r
+    columns), then each slot's LoRA factors (`A_sᵀ`, `B_s`, k_max columns per slot,
+    zero-padded). `coef [rows, R]` is each adapter row's coefficients: its δ in the SVD
+    columns, and 1 in its own slot's LoRA columns on a LoRA adapter's trained row.
+
+    `basis_in` is stored transposed under the weight, `weight_cat = [W; basis_inᵀ]`
+    (`[out + R, in]`), and the base Linear's weight is a view of its first rows: a plain
+    step runs the base GEMM unchanged, an adapted step one GEMM for both `x Wᵀ` and the
+    shrink `x basis_in`."""
+
+    def __init__(self, base: nn.Module, bank: AdapterBank, name: str, rank: int, lora_rank: int):
         super().__init__()
         self.base, self.bank, self.name = base, bank, name
+        self.rank = rank
         u, _, v = svd_basis(base.weight, rank)
-        dtype, device = base.weight.dtype, base.weight.device
-        self.register_buffer("U", u.to(device, dtype), persistent=False)  # [out, r]
-        self.register_buffer("V", v.to(device, dtype), persistent=False)  # [in, r]
-        # [rows, r]: row 0 zero, then (trained, deploy) per loaded adapter
-        self.register_buffer(
-            "deltas", torch.zeros(1 + 2 * bank.capacity, rank, dtype=dtype, device=device),
-            persistent=False,
-        )  # fmt: skip
-        out_f, in_f = base.weight.shape
-        # LoRA factors of every slot, k_max columns each (empty until a LoRA is loaded)
-        self.register_buffer(
-            "lora_a_all", torch.zeros(0, in_f, dtype=dtype, device=device), persistent=False
-        )  # [capacity * k_max, in]
-        self.register_buffer(
-            "lora_b_all", torch.zeros(out_f, 0, dtype=dtype, device=device), persistent=False
-        )  # [out, capacity * k_max]
+        weight = base.weight.data
+        dtype, device = weight.dtype, weight.device
+        self.out_features = weight.shape[0]
+        cols = rank + bank.capacity * lora_rank
+        self.weight_cat = torch.cat([weight, weight.new_zeros(cols, weight.shape[1])])
+        self.weight_cat[self.out_features : self.out_features + rank] = v.T.to(device, dtype)
+        base.weight.data = self.weight_cat[: self.out_features]
+        self.basis_out = torch.zeros(self.out_features, cols, dtype=dtype, device=device)
+        self.basis_out[:, :rank] = u.to(device, dtype)
+        self.coef = torch.zeros(1 + 2 * bank.capacity, cols, dtype=dtype, device=device)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.base.weight
 
+    @property
+    def basis_in(self) -> torch.Tensor:  # [in, R], a view
+        return self.weight_cat[self.out_features :].T
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         rows = self.bank.step_rows
         if rows is None:
-            return y
-        d = self.deltas.index_select(0, rows)  # [T, r]
-        y = y + ((x @ self.V) * d) @ self.U.T
-        mask = self.bank.step_lora_mask  # [T, capacity * k_max] bool
-        if mask is not None:
-            # `where`, not a product: a token off the LoRA rows gets an exact 0 even if
-            # another slot's x A_allᵀ overflowed
-            z = torch.where(mask, F.linear(x, self.lora_a_all), 0.0)
-            y = y + F.linear(z, self.lora_b_all)
-        return y
+            return self.base(x)
+        y = lowrank_expand(F.linear(x, self.weight_cat), self.basis_out, self.coef, rows)
+        bias = getattr(self.base, "bias", None)
+        return y + bias if bias is not None else y
 
-    def grow_lora(self, capacity: int, old: int, new: int) -> None:
-        """Re-lay the LoRA buffers from `old` to `new` columns per slot (zero-padded)."""
-        (out_f, _), in_f = self.lora_b_all.shape, self.lora_a_all.shape[1]
-        a = self.lora_a_all.new_zeros(capacity, new, in_f)
-        a[:, :old] = self.lora_a_all.view(capacity, old, in_f)
-        b = self.lora_b_all.new_zeros(out_f, capacity, new)
-        b[:, :, :old] = self.lora_b_all.view(out_f, capacity, old)
-        self.lora_a_all = a.view(capacity * new, in_f)
-        self.lora_b_all = b.view(out_f, capacity * new)
+    def lora_columns(self, slot: int, k_max: int) -> slice:
+        """Slot `slot`'s block of LoRA columns."""
+        start = self.rank + slot * k_max
+        return slice(start, start + k_max)
+
+    def relayout(self, old: int, new: int) -> None:
+        """Re-lay the LoRA columns from `old` to `new` per slot (zero-padded), in new
+        buffers: the base weight moves with `weight_cat`."""
+        capacity, r, out_f = self.bank.capacity, self.rank, self.out_features
+
+        def grown(t: torch.Tensor) -> torch.Tensor:  # [n, r + capacity * old] -> new cols
+            n = t.shape[0]
+            g = t.new_zeros(n, r + capacity * new)
+            g[:, :r] = t[:, :r]
+            g[:, r:].view(n, capacity, new)[:, :, :old] = t[:, r:].view(n, capacity, old)
+            return g
+
+        self.basis_out, self.coef = grown(self.basis_out), grown(self.coef)
+        basis_in = grown(self.basis_in.contiguous()).T  # [R', in]
+        self.weight_cat = torch.cat([self.weight_cat[:out_f], basis_in])
+        self.base.weight.data = self.weight_cat[:out_f]
 
     def set_lora(self, slot: int, k_max: int, ab: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Write one slot's LoRA factors (`A [k, in]`, `B [out, k]`), or zero it (None)."""
-        block = slice(slot * k_max, (slot + 1) * k_max)
-        self.lora_a_all[block].zero_()
-        self.lora_b_all[:, block].zero_()
+        block = self.lora_columns(slot, k_max)
+        rows = slice(self.out_features + block.start, self.out_features + block.stop)
+        self.weight_cat[rows] = 0
+        self.basis_out[:, block] = 0
         if ab is not None:
             a, b = ab
             k = a.shape[0]
-            self.lora_a_all[slot * k_max : slot * k_max + k] = a
-            self.lora_b_all[:, slot * k_max : slot * k_max + k] = b
+            self.weight_cat[rows.start : rows.start + k] = a
+            self.basis_out[:, block.start : block.start + k] = b
 
 
 class AdapterBank:
-    """The adapters an engine (or a model) serves, and which row each token of a step uses."""
+    """The adapters an engine (or a model) serves, and which row each token of a step uses.
+
+    Its tables sit at fixed addresses while CUDA graphs replay them: loading and unloading
+    write in place. Only a LoRA of a rank above every slot's reserved columns
+    (`lora_rank`, from `EngineConfig.adapter_lora_rank`) re-lays them (the target weights
+    too: they share a buffer with the shrink directions), which bumps `layout_version` so
+    the runner re-captures its decode graphs."""
 
     def __init__(
-        self, capacity: int = 4, rank: int = 8, targets: tuple[str, ...] = DEFAULT_TARGETS
+        self,
+        capacity: int = 4,
+        rank: int = 8,
+        targets: tuple[str, ...] = DEFAULT_TARGETS,
+        lora_rank: int = 0,
     ):
         if capacity < 1:
             raise InvalidRequestError("an adapter bank needs a capacity of at least 1")
+        if lora_rank < 0:
+            raise InvalidRequestError(f"adapter_lora_rank must be >= 0, got {lora_rank}")
         self.capacity, self.rank, self.targets = capacity, rank, tuple(targets)
         self.modules: dict[str, AdaptedLinear] = {}
         self.loaded: dict[str, LoadedAdapter] = {}
-        self.device = torch.device("cpu")  # the adapted Linears' (set by attach)
-        self.lora_rank = 0  # k_max: columns per slot in the modules' LoRA buffers
-        # Per LoRA-buffer column, the trained row it serves (-1: none).
-        self._lora_owner = torch.zeros(0, dtype=torch.long)  # [capacity * k_max]
-        self.step_rows: torch.Tensor | None = None  # [T] int64, set for the step's forward
-        self.step_lora_mask: torch.Tensor | None = None  # [T, capacity * k_max] bool
+        self.lora_rank = lora_rank  # k_max: LoRA columns per slot in every module
+        self.layout_version = 0  # bumped when the LoRA columns are re-laid (new buffers)
+        # [T] int32 each token's coefficient row, set by the runner around an adapted
+        # forward (a view of its step batch); None: no token of the step uses an adapter.
+        self.step_rows: torch.Tensor | None = None
         self._versions = 0
 
     def attach(self, model: nn.Module) -> None:
@@ -191,28 +220,9 @@ class AdapterBank:
                 )
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            wrapped = AdaptedLinear(module, self, name, self.rank)
+            wrapped = AdaptedLinear(module, self, name, self.rank, self.lora_rank)
             setattr(parent, leaf, wrapped)
             self.modules[name] = wrapped
-            self.device = wrapped.U.device
-        self._lora_owner = self._lora_owner.to(self.device)
-
-    def plan_step(self, runs: list[tuple[int, int]]) -> None:
-        """Set the step's token rows from `(row, num_tokens)` per scheduled sequence, in batch
-        order, and the LoRA mask when a token is on a LoRA adapter's trained row. A step no
-        adapter request runs in gets no per-token rows at all."""
-        self.end_step()
-        used = {row for row, _ in runs}
-        if not any(used):
-            return
-        rows = torch.tensor([row for row, _ in runs], dtype=torch.long)
-        counts = torch.tensor([n for _, n in runs], dtype=torch.long)
-        self.step_rows = rows.repeat_interleave(counts).to(self.device, non_blocking=True)
-        if any(e.lora_rank and e.rows["trained"] in used for e in self.loaded.values()):
-            self.step_lora_mask = self.step_rows[:, None] == self._lora_owner[None, :]
-
-    def end_step(self) -> None:
-        self.step_rows = self.step_lora_mask = None
 
     def load(self, name: str, state: dict[str, dict[str, torch.Tensor]]) -> LoadedAdapter:
         """Install (or replace) adapter `name` from `{module: {"kept": δS, "quarantine": δS_q,
@@ -268,18 +278,28 @@ class AdapterBank:
             entry = LoadedAdapter(name, 0, {"trained": free[0], "deploy": free[0] + 1})
         entry.lora_rank = ranks.pop() if ranks else 0
         if entry.lora_rank > self.lora_rank:
+            log.warning(
+                "a LoRA of rank %d exceeds the %d columns per adapter slot reserved at start: "
+                "re-laying the adapter tables (the decode CUDA graphs are re-captured; set "
+                "EngineConfig.adapter_lora_rank=%d to reserve them)",
+                entry.lora_rank, self.lora_rank, entry.lora_rank,
+            )  # fmt: skip
             for m in self.modules.values():
-                m.grow_lora(self.capacity, self.lora_rank, entry.lora_rank)
+                m.relayout(self.lora_rank, entry.lora_rank)
             self.lora_rank = entry.lora_rank
+            self.layout_version += 1
         for module, by_variant in deltas.items():
             target = self.modules[module]
+            lora = target.lora_columns(entry.slot, self.lora_rank)
             for variant, row in entry.rows.items():
-                target.deltas[row] = by_variant[variant].to(target.deltas.dtype)
+                target.coef[row] = 0
+                target.coef[row, : self.rank] = by_variant[variant].to(target.coef.dtype)
+            if entry.lora_rank:  # the LoRA term belongs to the trained variant only
+                target.coef[entry.rows["trained"], lora.start : lora.start + entry.lora_rank] = 1
             target.set_lora(entry.slot, self.lora_rank, loras.get(module))
         self._versions += 1
         entry.version = self._versions
         self.loaded[name] = entry
-        self._update_lora_owner()
         return entry
 
     def _lora_factors(
@@ -287,12 +307,12 @@ class AdapterBank:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One module's validated `(A [k, in], B [out, k])` in the module's dtype."""
         target = self.modules[module]
-        out_f, in_f = target.lora_b_all.shape[0], target.lora_a_all.shape[1]
+        out_f, in_f = target.weight.shape
         if "lora_a" not in parts or "lora_b" not in parts:
             raise InvalidRequestError(f"adapter {name!r}: {module} needs both lora_a and lora_b")
-        dtype = target.lora_a_all.dtype
-        a = torch.as_tensor(parts["lora_a"]).detach().to(target.lora_a_all.device, dtype)
-        b = torch.as_tensor(parts["lora_b"]).detach().to(target.lora_b_all.device, dtype)
+        dtype, device = target.basis_in.dtype, target.basis_in.device
+        a = torch.as_tensor(parts["lora_a"]).detach().to(device, dtype)
+        b = torch.as_tensor(parts["lora_b"]).detach().to(device, dtype)
         k = a.shape[0] if a.dim() == 2 else 0
         if not (
             a.dim() == 2 and b.dim() == 2 and a.shape[1] == in_f and b.shape == (out_f, k)
@@ -309,21 +329,14 @@ class AdapterBank:
             )
         return a, b
 
-    def _update_lora_owner(self) -> None:
-        owner = torch.full((self.capacity, self.lora_rank), -1, dtype=torch.long)
-        for e in self.loaded.values():
-            owner[e.slot, : e.lora_rank] = e.rows["trained"]
-        self._lora_owner = owner.flatten().to(self.device)
-
     def unload(self, name: str) -> None:
         entry = self.loaded.pop(name, None)
         if entry is None:
             raise NotFoundError(f"no adapter named {name!r} is loaded")
         for m in self.modules.values():
             for row in entry.rows.values():
-                m.deltas[row].zero_()
+                m.coef[row] = 0
             m.set_lora(entry.slot, self.lora_rank, None)
-        self._update_lora_owner()
 
     def row(self, name: str, variant: Variant) -> tuple[int, int]:
         """(table row, version) of an adapter's variant; InvalidRequestError if not loaded."""

@@ -41,10 +41,13 @@ class EngineConfig:
     readout_probes_per_site: int = 8
     # Low-rank adapters in the SVD basis of target Linears (services/engine/adapters.py):
     # how many may be loaded at once (0: none, and no adapted Linear is built), their rank,
-    # and the module-name patterns they adapt.
+    # and the module-name patterns they adapt. `adapter_lora_rank`: the LoRA quarantine
+    # rank each slot reserves columns for at start; loading a larger one re-lays the tables
+    # and re-captures the decode CUDA graphs (logged).
     adapter_capacity: int = 0
     adapter_rank: int = 8
     adapter_targets: tuple[str, ...] = ("*.o_proj", "*.down_proj")
+    adapter_lora_rank: int = 0
     # The GPU fast path: decode steps replay CUDA graphs captured at start for batch-size
     # buckets up to max_num_seqs (`enforce_eager` turns them off: every step runs eagerly).
     # `attention_backend`: "auto" (Triton on CUDA, SDPA on CPU), "triton" or "sdpa".
@@ -80,6 +83,10 @@ class EngineConfig:
         p = self.readout_probes_per_site
         if p < 1 or p & (p - 1):
             raise InvalidRequestError(f"readout_probes_per_site must be a power of two, got {p}")
+        if self.adapter_lora_rank < 0:
+            raise InvalidRequestError(
+                f"adapter_lora_rank must be >= 0, got {self.adapter_lora_rank}"
+            )
         if self.graph_capture_rows is not None and self.graph_capture_rows < 0:
             raise InvalidRequestError(
                 f"graph_capture_rows must be >= 0, got {self.graph_capture_rows}"

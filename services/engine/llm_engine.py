@@ -97,7 +97,13 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            adapters=AdapterBank(
+                cfg.adapter_capacity, cfg.adapter_rank, cfg.adapter_targets, cfg.adapter_lora_rank
+            )
+            if cfg.adapter_capacity > 0
+            else None,
         )
+        self.adapters = self.runner.adapters
         num_blocks = self._num_kv_blocks()
         if sync is not None:  # stages hold different layer counts: all must agree on blocks
             num_blocks = sync.min_over_ranks(num_blocks)
@@ -139,10 +145,6 @@ class LLMEngine:
                 for site in cfg.graph_steering_sites
             )
             self.runner.capture_decode_graphs(self.interventions.tables, steer_sites)
-        self.adapters: AdapterBank | None = None
-        if cfg.adapter_capacity > 0:
-            self.adapters = AdapterBank(cfg.adapter_capacity, cfg.adapter_rank, cfg.adapter_targets)
-            self.adapters.attach(self.runner.model)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.interventions.patch_sources = patch_store
         self.interventions.model_name = str(self.model_dir)
@@ -295,8 +297,10 @@ class LLMEngine:
             )
         row, version = self.adapters.row(params.adapter, params.adapter_variant)  # type: ignore[arg-type]
         group.adapter_row = row
-        # KV computed under these adapter weights is reusable only under the same version.
-        group.cache_salt = (("adapter", params.adapter, params.adapter_variant, version),)
+        group.cache_salt = (("adapter", params.adapter, params.adapter_variant),)
+        # KV computed under these adapter weights is reusable only under the same version:
+        # positions carry it in their signature from the step they are scheduled in on.
+        group.adapter_sig = b"adapter-version" + version.to_bytes(8, "little")
 
     def load_adapter(self, name: str, state: dict) -> int:
         """Install or replace adapter `name` from its δ vectors (`{module: {"kept": δS,
@@ -375,14 +379,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs + self._drain()
         plan = self.interventions.plan_step(sched)
-        if self.adapters is not None:
-            self._plan_adapters(sched)
-        adapted = self.adapters is not None and self.adapters.step_rows is not None
-        try:
-            pending = self.runner.launch(sched.requests(), plan, eager=adapted)
-        finally:
-            if self.adapters is not None:
-                self.adapters.end_step()
+        pending = self.runner.launch(sched.requests(), plan)
         self.num_steps += 1
         if overlap:  # the next plan needs nothing this step reads back (see _can_overlap)
             self.scheduler.advance(sched)
@@ -400,12 +397,11 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Overlap needs a one-process replica where the next step's plan needs nothing the
-        step before reads back: steering, monitors, gates and read-outs may run, but not
-        captures, patches or consumers, and no adapter may be loaded."""
+        step before reads back: steering, monitors, gates, read-outs, captures and adapters
+        may run, but not patches still ahead of a request or consumers."""
         return (
             self.config.async_scheduling
             and self.sync is None
-            and (self.adapters is None or not self.adapters.loaded)
             and self.interventions.reads_nothing_back()
         )
 
@@ -473,11 +469,6 @@ class LLMEngine:
                 self.requests.pop(rid, None)
                 self.interventions.release(group)
         return outputs
-
-    def _plan_adapters(self, sched: Any) -> None:
-        """Each token's row in the adapted Linears' δ tables (and LoRA mask), set on the bank."""
-        assert self.adapters is not None
-        self.adapters.plan_step([(s.seq.group.adapter_row, s.num_tokens) for s in sched.scheduled])
 
     def _append_token(
         self,
@@ -676,6 +667,7 @@ class LLMEngine:
             "num_graph_steps": self.runner.num_graph_steps,
             "num_steered_graph_steps": self.runner.num_steered_graph_steps,
             "num_capture_graph_steps": self.runner.num_capture_graph_steps,
+            "num_adapted_graph_steps": self.runner.num_adapted_graph_steps,
             "num_eager_steps": self.runner.num_eager_steps,
             "num_patch_passes": self.num_patch_passes,
             "num_patch_pass_tokens": self.num_patch_pass_tokens,

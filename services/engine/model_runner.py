@@ -10,16 +10,22 @@ The hot path, as in nano-vllm's and vLLM v1's runners:
 - decode steps (one token per request) replay a CUDA graph captured at start for the
   smallest batch-size bucket that fits, padded with rows that read and write nothing;
 - steps whose interventions the fused op does all of (steering, monitors, gates, read-outs,
-  at the sites the graphs were captured with) replay a second, intervened graph per bucket;
-- prefill and mixed steps, and steps that capture, patch or feed a consumer, run eagerly.
+  at the sites the graphs were captured with) replay a second, intervened graph per bucket,
+  and steps that capture into the fixed capture buffer a third;
+- with an adapter bank, each of those has an adapted twin that runs the batched low-rank
+  op at every adapted Linear, for steps where some token uses an adapter;
+- prefill and mixed steps, and steps that patch, capture eagerly or feed a consumer, run
+  eagerly.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.engine.adapters import AdapterBank
 from services.engine.attention import (
     AttentionBackend,
     SdpaBackend,
@@ -176,6 +183,7 @@ class StepBatch:
         ("steer_read_rows", torch.int32, (1, 0)),
         ("steer_capture_rows", torch.int32, (1, 0)),  # row of Readback.captures, or -1
         ("steer_carry", torch.int32, (1, 0)),  # row of Readback.last_fired to latch, or -1
+        ("adapter_rows", torch.int32, (1, 0)),  # row of the adapters' coefficient tables
         ("logits_rows", torch.int64, (0, 1)),
         ("query_start_loc", torch.int32, (0, 1)),  # plus one
         ("seq_lens", torch.int32, (0, 1)),
@@ -263,6 +271,12 @@ class _Graph:
     logits: torch.Tensor  # [bucket, V] float32, written by each replay
 
 
+# What a decode graph runs besides the plain model: nothing, the fused steer op at the
+# steering sites, or the op at every site with the capture writes.
+GRAPH_KINDS = ("plain", "steered", "capture")
+GraphKey = tuple[str, bool]  # (kind, adapted: the low-rank op at every adapted Linear)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -277,7 +291,9 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        adapters: AdapterBank | None = None,
     ):
+        """`adapters`: the bank whose target Linears this runner's model wraps."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -298,21 +314,26 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         load_weights(self.model, model_dir)
         self.model.eval()
+        self.adapters = adapters
+        if adapters is not None:
+            adapters.attach(self.model)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.batch: StepBatch | None = None
         self.scratch_slot = 0
-        self.graphs: dict[int, _Graph] = {}  # bucket -> plain decode graph
-        self.steered_graphs: dict[int, _Graph] = {}  # bucket -> the steer op at graph sites
-        self.capture_graphs: dict[int, _Graph] = {}  # bucket -> ... and the capture writes
+        self.graph_sets: dict[GraphKey, dict[int, _Graph]] = {}  # key -> bucket -> graph
         self.graph_sizes: list[int] = []
         self.graph_steer_sites: frozenset[SiteKey] = frozenset()
         self.graph_capture_sites: frozenset[SiteKey] = frozenset()
+        self._graph_steering: SteeringTables | None = None  # what intervened graphs read
+        self._graph_pool: Any = None  # the memory pool every graph is captured into
+        self._graph_layout = 0  # the adapter bank's layout_version the graphs read
         self.readback: Readback | None = None  # set by the engine with the steering tables
         self.num_graph_steps = 0  # steps that replayed a CUDA graph
         self.num_steered_graph_steps = 0  # ... of them, a steered one
         self.num_capture_graph_steps = 0  # ... of them, one that captures
+        self.num_adapted_graph_steps = 0  # ... of them (any kind), an adapted one
         self.num_eager_steps = 0
         # The last launched step's sampled tokens (device) and each sequence's row in them.
         self._prev_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
@@ -344,12 +365,17 @@ class ModelRunner:
     # -- the step batch -------------------------------------------------------------------
 
     def _build(
-        self, reqs: list[StepRequest], pad_to: int, steer: SteerTokens | None = None
+        self,
+        reqs: list[StepRequest],
+        pad_to: int,
+        steer: SteerTokens | None = None,
+        adapted: bool = False,
     ) -> tuple[int, list[int], list[int], bool]:
         """Write the step into the host buffers in one pass and upload it; returns (number of
         tokens, query start offsets, context lengths, whether placeholders need filling).
-        Rows past `len(reqs)` up to `pad_to` are padding: one token each that reads nothing
-        and writes the scratch slot. `steer`: the steer op's per-token inputs, if it runs."""
+        Rows past `len(reqs)` up to `pad_to` are padding: one token each that reads nothing,
+        writes the scratch slot and uses no adapter. `steer`: the steer op's per-token
+        inputs, if it runs; `adapted`: some request uses an adapter."""
         sb = self.batch
         assert sb is not None, "allocate_kv_cache must run before the first step"
         sb.begin()
@@ -383,6 +409,9 @@ class ModelRunner:
         np_["seq_lens"][:r] = seq_lens
         np_["query_start_loc"][: r + 1] = qsl
         np_["logits_rows"][:r] = qsl[1:] - 1
+        if adapted:
+            rows = np.fromiter((q.adapter_row for q in reqs), np.int32, r)
+            np_["adapter_rows"][:t] = np.repeat(rows, q_lens)
         if steer is not None:  # padding rows (below): no steering, read-out or carry
             for name in STEER_FIELDS[:-1]:
                 np_["steer_" + name][:t] = getattr(steer, name)
@@ -395,6 +424,7 @@ class ModelRunner:
             np_["input_ids"][t:pad_to] = 0
             np_["positions"][t:pad_to] = 0
             np_["slot_mapping"][t:pad_to] = self.scratch_slot
+            np_["adapter_rows"][t:pad_to] = 0
             np_["seq_lens"][r:pad_to] = 0
             np_["query_start_loc"][r + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
         sb.upload(max(r, pad_to))
@@ -417,62 +447,87 @@ class ModelRunner:
         (layer, site) of `steer_sites`, reading the step batch's `steer_*` fields and the
         tables (fixed addresses: they are only written in place). With a capture buffer
         (`Readback.captures`), a third: the op also at every post_block, with the capture
-        writes at every site.
+        writes at every site. With an adapter bank, an adapted twin of each, reading the
+        step batch's `adapter_rows`.
 
         Buckets are captured largest first into one memory pool, so smaller ones reuse its
         memory. Logs the time and memory they took."""
         assert self.batch is not None and self.can_use_graphs()
+        steered = steering is not None and bool(steer_sites)
+        assert not steered or self.readback is not None, "the readback goes with the tables"
+        captures = steering is not None and self.readback.captures is not None
+        self._graph_steering = steering
+        self.graph_steer_sites = steer_sites if steered else frozenset()
+        self.graph_capture_sites = (
+            steer_sites | block_capture_sites(self.cfg.num_layers) if captures else frozenset()
+        )
+        kinds = [k for k, on in zip(GRAPH_KINDS, (True, steered, captures), strict=True) if on]
+        adapted = (False, True) if self.adapters is not None else (False,)
+        self._capture_graph_sets([(kind, a) for a in adapted for kind in kinds])
+
+    def _capture_graph_sets(self, keys: list[GraphKey]) -> None:
+        """Capture the graphs of `keys` for every bucket (replacing any of those keys)."""
         sizes = graph_batch_sizes(self.max_num_seqs)
         torch.cuda.synchronize(self.device)
         t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
         sb = self.batch
         self._build([], pad_to=sizes[-1])  # every row padding: reads nothing, writes scratch
-        steered = steering is not None and bool(steer_sites)
-        assert not steered or self.readback is not None, "the readback goes with the tables"
-        captures = steering is not None and self.readback.captures is not None
-        capture_sites = steer_sites | block_capture_sites(self.cfg.num_layers)
-        pool = None
+        rb = self.readback
+        # A re-capture runs between steps: the latch carry the next step reads must survive.
+        carry = rb.last_fired.clone() if rb is not None else None
+        for key in keys:
+            self.graph_sets[key] = {}
         for size in reversed(sizes):
             inputs = sb.attention_inputs(size, size, self.block_size, list(range(size + 1)), [0])
             inputs.max_query_len = 1
             meta = self.backend.prepare(inputs)
             ids, pos = sb.dev["input_ids"][:size], sb.dev["positions"][:size]
-            kinds: list[tuple[dict[int, _Graph], StepInterventions | None]] = [(self.graphs, None)]
-            if steered:
-                kinds.append(
-                    (self.steered_graphs, StepInterventions(steering, set(steer_sites), None))
-                )
-            if captures:
-                iv = StepInterventions(steering, set(capture_sites), None, capture_block=True)
-                kinds.append((self.capture_graphs, iv))
-            for graphs, iv in kinds:
+            for kind, adapted in keys:
+                iv = self._graph_interventions(kind)
                 if iv is not None:
-                    iv.bind(self.readback, *sb.steer_views(size))
-                graph, logits = self._capture(ids, pos, meta, iv, pool)
-                pool = graph.pool()
-                graphs[size] = _Graph(graph, logits)
+                    iv.bind(rb, *sb.steer_views(size))
+                rows = sb.dev["adapter_rows"][:size] if adapted else None
+                graph, logits = self._capture(ids, pos, meta, iv, rows)
+                self._graph_pool = graph.pool()
+                self.graph_sets[kind, adapted][size] = _Graph(graph, logits)
+        if carry is not None:
+            rb.last_fired.copy_(carry)
         torch.cuda.synchronize(self.device)
         self.graph_sizes = sizes
-        self.graph_steer_sites = steer_sites if steered else frozenset()
-        self.graph_capture_sites = frozenset(capture_sites) if captures else frozenset()
+        if self.adapters is not None:
+            self._graph_layout = self.adapters.layout_version
         log.info(
-            "captured %d decode CUDA graphs (batch %d..%d%s%s) in %.1f s, using %.0f MiB",
-            len(self.graphs) + len(self.steered_graphs) + len(self.capture_graphs),
+            "captured %d decode CUDA graphs (%s; batch %d..%d%s) in %.1f s, using %.0f MiB",
+            len(keys) * len(sizes),
+            ", ".join(kind + " adapted" * adapted for kind, adapted in keys),
             sizes[0],
             sizes[-1],
-            f"; plain and steered at {len(steer_sites)} sites" if steered else "",
-            "; capturing" if captures else "",
+            f"; steering at {len(self.graph_steer_sites)} sites" if self.graph_steer_sites else "",
             time.perf_counter() - t0,
             (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**20,
         )
 
+    def _graph_interventions(self, kind: str) -> StepInterventions | None:
+        """The interventions a graph of `kind` is captured with (None: plain)."""
+        if kind == "plain":
+            return None
+        if kind == "steered":
+            return StepInterventions(self._graph_steering, set(self.graph_steer_sites), None)
+        return StepInterventions(
+            self._graph_steering, set(self.graph_capture_sites), None, capture_block=True
+        )
+
     def _capture(
-        self, ids: torch.Tensor, pos: torch.Tensor, meta: Any, iv: Any, pool: Any
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: Any, iv: Any, rows: Any
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One decode graph over the step batch's views; `rows`: the adapter rows (None: the
+        adapted Linears run plain)."""
+
         def run() -> torch.Tensor:
             if iv is not None:
                 iv.reset_fired()  # the gates OR their bits in
-            hidden = self.model(pos, meta, input_ids=ids, interventions=iv)
+            with self._adapter_rows(rows):
+                hidden = self.model(pos, meta, input_ids=ids, interventions=iv)
             if iv is not None:  # decode: each row is its sequence's sampled row
                 n = len(ids)
                 self.readback.last_fired[:n].copy_(self.readback.fired[:n])
@@ -480,63 +535,84 @@ class ModelRunner:
 
         run()  # compiles kernels and settles allocations outside the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = run()
         return graph, logits
 
-    def _graph_for(self, reqs: list[StepRequest], interventions: Any) -> int | None:
-        """The bucket whose graph runs this step, or None to run eagerly."""
+    @contextlib.contextmanager
+    def _adapter_rows(self, rows: torch.Tensor | None) -> Iterator[None]:
+        """The adapted Linears read `rows` (each token's coefficient row) inside the block."""
+        if rows is None or self.adapters is None:
+            yield
+            return
+        self.adapters.step_rows = rows
+        try:
+            yield
+        finally:
+            self.adapters.step_rows = None
+
+    def _refresh_graphs(self) -> None:
+        """Re-capture every graph if the adapter bank re-laid its tables since (a LoRA of a
+        rank above the reserved columns was loaded): they read the old buffers, the target
+        Linears' weights among them."""
+        if self._graph_layout == self.adapters.layout_version or not self.graph_sizes:
+            return
+        log.warning("adapter tables re-laid: re-capturing every decode CUDA graph")
+        self._capture_graph_sets(list(self.graph_sets))
+
+    def _graph_for(
+        self, reqs: list[StepRequest], interventions: Any, adapted: bool
+    ) -> dict[int, _Graph] | None:
+        """The graphs (by bucket) one of which runs this step, or None to run eagerly."""
         if not self.graph_sizes or len(reqs) > self.graph_sizes[-1]:
-            return None
-        if interventions is not None and not self._steered_graph_serves(interventions):
             return None
         if any(q.num_tokens != 1 or q.prompt_logprobs is not None for q in reqs):
             return None
-        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
+        if interventions is None:
+            kind = "plain"
+        elif self._steered_graph_serves(interventions):
+            kind = "capture" if interventions.capture_block else "steered"
+        else:
+            return None
+        return self.graph_sets.get((kind, adapted))
 
     def _steered_graph_serves(self, iv: StepInterventions) -> bool:
         """Whether the intervened graphs run everything `iv` does: the fused op only (with
         its read-outs and gates, and captures into the capture buffer), at sites they were
         captured with (eager captures, patches and consumers' views run eagerly)."""
-        graphs, sites = self._intervened_graphs(iv)
+        sites = self.graph_capture_sites if iv.capture_block else self.graph_steer_sites
         return (
-            bool(graphs)
+            bool(sites)
             and iv.steer_tokens is not None
             and iv.kernel_sites <= sites
             and not (iv.capture_index or iv.patch_index or iv.view_sites)
         )
 
-    def _intervened_graphs(
-        self, iv: StepInterventions
-    ) -> tuple[dict[int, _Graph], frozenset[SiteKey]]:
-        """The intervened graphs a step of `iv` replays (with the capture writes or not),
-        and the sites they run the fused op at."""
-        if iv.capture_block:
-            return self.capture_graphs, self.graph_capture_sites
-        return self.steered_graphs, self.graph_steer_sites
-
     # -- the step -------------------------------------------------------------------------
 
-    def execute(
-        self, reqs: list[StepRequest], interventions: Any = None, eager: bool = False
-    ) -> StepResult:
+    def execute(self, reqs: list[StepRequest], interventions: Any = None) -> StepResult:
         """Run one step and wait for its results."""
-        return self.launch(reqs, interventions, eager).result()
+        return self.launch(reqs, interventions).result()
 
     @torch.inference_mode()
-    def launch(
-        self, reqs: list[StepRequest], interventions: Any = None, eager: bool = False
-    ) -> PendingStep:
+    def launch(self, reqs: list[StepRequest], interventions: Any = None) -> PendingStep:
         """Queue one step on the device and start copying its sampled tokens back; the host
-        is free until `PendingStep.result()`. `eager` forces the eager path (adapters).
+        is free until `PendingStep.result()`.
 
         A token id of PLACEHOLDER is the token the previous launched step sampled for that
         sequence; it is filled in on the device, so the next step can be launched before the
         previous one's tokens reach the host."""
         n = len(reqs)
-        bucket = None if eager else self._graph_for(reqs, interventions)
+        adapted = False
+        if self.adapters is not None:
+            self._refresh_graphs()
+            adapted = any(q.adapter_row for q in reqs)
+        graphs = self._graph_for(reqs, interventions, adapted)
+        bucket = None
+        if graphs:
+            bucket = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
         steer = interventions.steer_tokens if interventions is not None else None
-        t, qsl, seq_lens, fills = self._build(reqs, pad_to=bucket or 0, steer=steer)
+        t, qsl, seq_lens, fills = self._build(reqs, bucket or 0, steer, adapted)
         sb = self.batch
         assert sb is not None
         if interventions is not None:
@@ -546,16 +622,14 @@ class ModelRunner:
             self._fill_placeholders(t)
         hidden = None
         sample_rows = [i for i, q in enumerate(reqs) if q.samples]
-        if bucket is not None:
+        if graphs:
             self.num_graph_steps += 1
-            if interventions is None:
-                entry = self.graphs[bucket]
-            else:
-                entry = self._intervened_graphs(interventions)[0][bucket]
-                if interventions.capture_block:
-                    self.num_capture_graph_steps += 1
-                else:
-                    self.num_steered_graph_steps += 1
+            self.num_adapted_graph_steps += adapted
+            if interventions is not None and interventions.capture_block:
+                self.num_capture_graph_steps += 1
+            elif interventions is not None:
+                self.num_steered_graph_steps += 1
+            entry = graphs[bucket]
             entry.graph.replay()
             logits = entry.logits[:n]
             if len(sample_rows) < n:
@@ -565,7 +639,8 @@ class ModelRunner:
             if interventions is not None:
                 interventions.reset_fired()
             inputs = sb.attention_inputs(t, n, self.block_size, qsl, seq_lens)
-            hidden = self._forward_eager(inputs, t, interventions)
+            with self._adapter_rows(sb.dev["adapter_rows"][:t] if adapted else None):
+                hidden = self._forward_eager(inputs, t, interventions)
             logits = None
             if hidden is not None and sample_rows:
                 index = sb.dev["logits_rows"][:n]

@@ -39,6 +39,7 @@ class StepRequest:
     # Prompt logprobs this step computes: (first position, count, the actual next prompt
     # tokens, top-k). Position p's logits score prompt token p + 1.
     prompt_logprobs: tuple[int, int, list[int], int] | None = None
+    adapter_row: int = 0  # its row in the adapted Linears' coefficient tables (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +90,7 @@ class ScheduledSeq:
             group.params,
             seq.generator,
             prompt_lp,
+            group.adapter_row,
         )
 
 

@@ -97,7 +97,7 @@ class Sequence:
                 sig += b"latched" + self.latched.to_bytes(4, "little")
         if g.patch_from is not None and position >= g.patch_from:
             sig += g.patch_sig  # a patch changes every position from its first one on
-        return sig
+        return sig + g.adapter_sig
 
     def record_kv_sigs(self, start: int, num_tokens: int) -> None:
         """Note the signatures positions [start, start + num_tokens) are computed under now.
@@ -166,6 +166,7 @@ class RequestGroup:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: tuple = ()
     adapter_row: int = 0  # its row in every adapted Linear's δ table (0: no adapter)
+    adapter_sig: bytes = b""  # the version of its adapter, in the KV signature of positions
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
