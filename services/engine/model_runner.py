@@ -648,12 +648,10 @@ class ModelRunner:
                     index = index[torch.tensor(sample_rows, device=self.device)]
                 logits = self.model.compute_logits(hidden[index]).float()
         pending = PendingStep(n, sample_rows)
-        if interventions is not None:
-            self._read_back(pending, interventions, bucket is not None, t, n, sample_rows)
-        if hidden is None and bucket is None:  # a pipeline stage before the last
-            if pending.readback and self.device.type == "cuda":
-                pending.copied = torch.cuda.Event()
-                pending.copied.record()
+        graphed = bucket is not None
+        if hidden is None and not graphed:  # a pipeline stage before the last
+            if interventions is not None:
+                self._read_back(pending, interventions, graphed, t, n, sample_rows)
             return pending
         if sample_rows:
             picked = [reqs[i] for i in sample_rows]
@@ -673,9 +671,11 @@ class ModelRunner:
             row0 = qsl[i] + first - q.start
             lp_logits = self.model.compute_logits(hidden[row0 : row0 + count])
             pending.prompt_logprobs[i] = (first, prompt_logprobs(lp_logits, next_ids, k))
-        if pending.readback and pending.copied is None and self.device.type == "cuda":
-            pending.copied = torch.cuda.Event()  # the read-back copies, with nothing sampled
-            pending.copied.record()
+        if interventions is not None:
+            # After the sampled ids' copy: device→host copies queue on one copy engine, and
+            # a capture block's long one ahead of it would hold up that copy, and with it
+            # the next step, which waits in the stream behind it.
+            self._read_back(pending, interventions, graphed, t, n, sample_rows)
         return pending
 
     def _read_back(
@@ -689,8 +689,8 @@ class ModelRunner:
     ) -> None:
         """Keep the gate bits each sampled row fired for the next step's latch carry (the
         intervened graph does it itself when every row samples), and start copying what
-        the host reads of this step: fired bits, read-out scores (`_copy_back`'s event
-        covers these copies too)."""
+        the host reads of this step: fired bits, read-out scores (behind the sampled ids,
+        one event covering both), and the capture block."""
         rb = self.readback
         assert rb is not None
         if not (iv.reads_fired or iv.reads_scores or iv.capture_block):
@@ -702,7 +702,10 @@ class ModelRunner:
             rb.last_fired[: len(index)].copy_(rb.fired[index])
         pending.interventions = iv
         pending.readback = rb.copy(num_tokens, num_seqs, iv.reads_fired, iv.reads_scores)
-        if iv.capture_block:
+        if self.device.type == "cuda":  # `result()` waits for these copies too
+            pending.copied = torch.cuda.Event()
+            pending.copied.record()
+        if iv.capture_block:  # on a stream of its own, with its own event
             pending.readback["captures"] = rb.copy_captures(len(iv.block_captures))
 
     def _copy_back(self, pending: PendingStep, sampled: SampledBatch) -> None:
