@@ -381,8 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--adapters",
         type=int,
         default=8,
-        help="distinct δ-adapters of the decode row (0: no row; loading computes each target "
-        "Linear's SVD on the CPU, minutes for a Llama-3-8B shape)",
+        help="distinct δ-adapters of the decode row (0: no row)",
     )
     w.add_argument(
         "--adapter-scale", type=float, default=1.0, help="norm of each adapter's δ per module"

@@ -44,33 +44,43 @@ VARIANTS: tuple[Variant, ...] = ("trained", "deploy")
 DEFAULT_TARGETS = ("*.o_proj", "*.down_proj")
 STATE_PARTS = ("kept", "quarantine", "lora_a", "lora_b")
 
-_basis_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_basis_cache: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _basis_lock = threading.Lock()
 
 
 def svd_basis(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(U [out, r], S [r], V [in, r])`: W's top-`rank` singular triplets, float64 on CPU.
 
-    Deterministic given W's bytes (float64 SVD on CPU; each pair's sign fixed so U's
-    largest-magnitude entry is positive), and cached by a hash of them, so a trainer and an
-    engine holding the same weights get bit-identical bases.
+    Computed in float64 on W's device from the eigendecomposition of the smaller Gram
+    matrix (`W Wᵀ` or `Wᵀ W`): the top directions of a Llama-3-8B `down_proj` take a
+    fraction of a second on a GPU, where a full SVD on the CPU took minutes. Deterministic
+    given W's bytes and the kind of device (each pair's sign fixed so U's largest-magnitude
+    entry is positive), and cached by a hash of them, so a trainer and an engine holding
+    the same weights on the same kind of device get bit-identical bases.
     """
-    w = weight.detach().to("cpu")
-    if not 1 <= rank <= min(w.shape):
-        raise InvalidRequestError(f"adapter rank must be in [1, {min(w.shape)}], got {rank}")
-    key = (hashlib.sha256(w.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(), rank)
+    if not 1 <= rank <= min(weight.shape):
+        raise InvalidRequestError(f"adapter rank must be in [1, {min(weight.shape)}], got {rank}")
+    cpu = weight.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(cpu.view(torch.uint8).numpy().tobytes()).hexdigest()
+    key = (digest, rank, weight.device.type)
     with _basis_lock:
         hit = _basis_cache.get(key)
     if hit is not None:
         return hit
-    u, s, vh = torch.linalg.svd(w.double(), full_matrices=False)
-    u, s, v = u[:, :rank], s[:rank], vh[:rank].T
+    w = weight.detach().double()
+    wide = w.shape[0] <= w.shape[1]
+    gram = w @ w.T if wide else w.T @ w  # [min, min]
+    values, vectors = torch.linalg.eigh(gram)  # ascending
+    s = values[-rank:].flip(0).clamp(min=0).sqrt()
+    top = vectors[:, -rank:].flip(1)
+    other = (w.T @ top if wide else w @ top) / s.clamp(min=torch.finfo(s.dtype).tiny)
+    u, v = (top, other) if wide else (other, top)
     flip = torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True))).squeeze(0)
     flip[flip == 0] = 1.0
-    basis = ((u * flip).contiguous(), s.contiguous(), (v * flip).contiguous())
+    basis = tuple(t.contiguous().cpu() for t in (u * flip, s, v * flip))
     with _basis_lock:
         _basis_cache[key] = basis
-    return basis
+    return basis  # type: ignore[return-value]
 
 
 def target_modules(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> dict[str, nn.Module]:

@@ -10,8 +10,10 @@ so no dense `δW` is ever built, and a forward with both vectors at zero adds an
 logits are bit-identical to the base model. Instead of `δS_q` the quarantine can be a separate
 LoRA (`B_q A_q`, `B_q` zero-initialised) for comparison.
 
-The SVD is computed once per weight on the CPU in float64 (so every process, trainer or engine,
-on any device gets the same basis, signs included) and cached by a hash of W's bytes.
+The basis is computed once per weight in float64 on the weight's device (`svd_basis`): every
+process, trainer or engine, holding W on the same kind of device gets the same basis, signs
+included; across kinds the bases agree to float64 rounding, far below the serving dtype's. It
+is cached by a hash of W's bytes.
 
 Per-forward controls live on the `AdapterSet` and act on every adapted Linear at once:
 `gates()` splices the rollout gate of the gate identity into the kept path, `mask_rollouts()`
