@@ -50,6 +50,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--tau", type=float, default=0.0)
     ap.add_argument("--optimizer", default="routed_adamw", choices=["adamw", "routed_adamw"])
+    ap.add_argument(
+        "--split",
+        default="partition",
+        choices=["partition", "share"],
+        help="how Arm A splits each step's gradient (routing.apply_gradient_mask)",
+    )
     ap.add_argument("--rank", type=int, default=8, help="adapter rank (top singular directions)")
     ap.add_argument(
         "--targets",
@@ -70,7 +76,7 @@ def main() -> None:
     rows = []
     t_all = time.perf_counter()
     for arm in args.arms.split(","):
-        finals, leaks, aurocs = [], [], []
+        finals, leaks, aurocs, norms = [], [], [], []
         for seed in range(args.seeds):
             t0 = time.perf_counter()
             cfg = GRPOConfig(
@@ -81,6 +87,7 @@ def main() -> None:
                 lr=args.lr,
                 tau=args.tau,
                 optimizer=args.optimizer,
+                route_split=args.split,
                 rank=args.rank,
                 targets=args.targets.split(","),
                 seed=seed,
@@ -93,13 +100,16 @@ def main() -> None:
             train = [r for r in records if r["kind"] == "train"]
             finals.append(final)
             leaks.append(statistics.fmean(r["leakage"] for r in train))
+            norms.append(tuple(train[-1][k] for k in ("kept_norm", "quarantine_norm", "sum_norm")))
             scores = [r["gate_auroc"] for r in train if r.get("gate_auroc") is not None]
             if scores:
                 aurocs.append(statistics.fmean(scores))
             print(
                 f"  {arm:10s} seed {seed}: deploy hack {final['deploy_hack_rate']:.2f}, deploy "
                 f"true pass {final['deploy_true_pass']:.2f}, trained hack "
-                f"{final['trained_hack_rate']:.2f} ({time.perf_counter() - t0:.0f}s)",
+                f"{final['trained_hack_rate']:.2f}; ‖δS‖ {norms[-1][0]:.2f}, ‖δS_q‖ "
+                f"{norms[-1][1]:.2f}, ‖δS+δS_q‖ {norms[-1][2]:.2f} "
+                f"({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
         rows.append(
@@ -111,21 +121,23 @@ def main() -> None:
                 _mean_std([f["trained_true_pass"] for f in finals]),
                 _mean_std(leaks) if arm != "none" else "—",
                 _mean_std(aurocs) if aurocs else "—",
+                " / ".join(_mean_std([n[j] for n in norms]) for j in range(3)),
             )
         )
     print()
     print(
         f"env {args.env}, {args.seeds} seeds x {args.steps} GRPO steps per arm, "
-        f"{args.optimizer} lr {args.lr}, tau {args.tau}, rank {args.rank} on {args.targets}; "
+        f"{args.optimizer} lr {args.lr}, tau {args.tau}, {args.split} split, rank {args.rank} "
+        f"on {args.targets}; "
         f"greedy eval on {args.eval_prompts} held-out prompts; "
         f"{time.perf_counter() - t_all:.0f}s"
     )
     header = (
         "| arm | deploy hack rate | deploy true pass | trained hack rate | trained true pass "
-        "| leakage | gate AUROC (diagnostic) |"
+        "| leakage | gate AUROC (diagnostic) | ‖δS‖ / ‖δS_q‖ / ‖δS+δS_q‖ |"
     )
     print(header)
-    print("|" + "---|" * 7)
+    print("|" + "---|" * 8)
     for row in rows:
         print("| " + " | ".join(row) + " |")
 

@@ -98,6 +98,12 @@ class GRPOConfig(BaseModel):
     gate: Literal["scale", "shift"] = Field(
         "shift", description="Arm A gate: scale divides δS back out (needs |δS| > 0)"
     )
+    route_split: Literal["partition", "share"] = Field(
+        "partition",
+        description="Arm A: partition gives δS_q the flagged rollouts' summed gradient; "
+        "share gives it, per coordinate, the part of the step's total they pushed for "
+        "(routing.apply_gradient_mask)",
+    )
     hack_pairs: int = Field(32, ge=2, description="contrastive pairs for the hack direction")
     # evaluation, logging, checkpoints
     eval_every: int = Field(10, ge=1)
@@ -159,6 +165,12 @@ class StepMetrics:
     flagged: float
     leakage: float
     seconds: float
+    # ‖δS‖, ‖δS_q‖ and ‖δS + δS_q‖ over all modules after the step (the quarantine's are
+    # 0 for a LoRA quarantine): a routed run whose parts grow apart while their sum does
+    # not is drifting (see routing.apply_gradient_mask)
+    kept_norm: float = 0.0
+    quarantine_norm: float = 0.0
+    sum_norm: float = 0.0
     staleness: float = 0.0  # mean policy-version lag of the step's groups (async rollouts)
     dropped_stale: int = 0  # groups dropped as too stale (async rollouts)
 
@@ -387,7 +399,10 @@ class GRPOTrainer:
                 out = loss_of()
                 out.loss.backward()
                 mode = "erase" if cfg.arm == "erase" else "route"
-                stats = route_gradients(adapters, gates, self.direction, cfg.tau, mode, cfg.gate)
+                stats = route_gradients(
+                    adapters, gates, self.direction, cfg.tau, mode, cfg.gate,
+                    split=cfg.route_split,
+                )  # fmt: skip
             scores, flagged, leakage = stats.scores.detach(), stats.flagged, stats.leakage
         elif cfg.arm == "activation":
             assert self.direction is not None
@@ -402,6 +417,7 @@ class GRPOTrainer:
             for p in adapters.quarantine_parameters():  # vanilla: the kept δS learns it all
                 p.grad = None
         self.optimizer.step()
+        kept_norm, quarantine_norm, sum_norm = self._adapter_norms()
         return StepMetrics(
             step=self.step_index,
             reward=float(rewards.mean()),
@@ -411,7 +427,21 @@ class GRPOTrainer:
             flagged=float(flagged.float().mean()),
             leakage=float(leakage),
             seconds=0.0,
+            kept_norm=kept_norm,
+            quarantine_norm=quarantine_norm,
+            sum_norm=sum_norm,
         ), scores.detach().cpu()
+
+    @torch.no_grad()
+    def _adapter_norms(self) -> tuple[float, float, float]:
+        """‖δS‖, ‖δS_q‖ and ‖δS + δS_q‖ over all modules (δS_q: 0 without an SVD one)."""
+        kept, quarantine = [], []
+        for m in self.adapters.modules.values():
+            kept.append(m.delta_s.reshape(-1))
+            q = m.delta_s_q if m.delta_s_q is not None else torch.zeros_like(m.delta_s)
+            quarantine.append(q.reshape(-1))
+        k, q = torch.cat(kept), torch.cat(quarantine)
+        return float(k.norm()), float(q.norm()), float((k + q).norm())
 
     # -- evaluation (oracle labels: outside any training scope) ---------------------------
 

@@ -13,9 +13,11 @@ Directions come from contrastive pairs (prompt, hacking completion, clean comple
 Arm A (gradient mask) runs one backward with the rollout gate spliced into the kept path
 (`AdapterSet.gates`), recovers each rollout's gradient `g_b` (of the training loss), flags it
 when its descent direction `−g_b` has cosine > τ with the gradient hack direction, and rebuilds
-the gradients: δS gets the unflagged rollouts' share, δS_q the flagged share (`route`) or
-nothing (`erase`). The optimiser then never sees routed mass in δS's gradient, so its moment
-estimates for δS are exactly those of a run in which the flagged rollouts contributed nothing.
+the gradients (`apply_gradient_mask`): with the `partition` split δS gets the unflagged
+rollouts' share and δS_q the flagged share (`route`) or nothing (`erase`); with `share`, δS_q
+gets, per coordinate, the part of the step's total the flagged rollouts pushed for.
+Under `partition` and plain AdamW, δS's first and second moments are those of a run in which
+the flagged rollouts contributed nothing; `RoutedAdamW`'s shared second moment is the total's.
 
 Arm B (activation mask) flags rollouts by activation score before the training forward and
 runs that forward under `AdapterSet.mask_rollouts`.
@@ -37,6 +39,10 @@ from services.trainer.adapters import AdapterSet, GateKind
 from services.trainer.model import TokenBatch, TrainableModel
 
 RouteMode = Literal["route", "erase"]
+# How Arm A splits a step's gradient: `partition` gives δS the unflagged rollouts' sum and
+# δS_q the flagged ones'; `share` gives δS_q, per coordinate, the part of the step's total
+# that the flagged rollouts pushed for, and δS the rest (see `apply_gradient_mask`).
+RouteSplit = Literal["partition", "share"]
 
 
 @dataclass
@@ -211,18 +217,36 @@ def gradient_scores(grads: RolloutGradients, direction: HackDirection) -> torch.
 
 
 def apply_gradient_mask(
-    adapters: AdapterSet, grads: RolloutGradients, flagged: torch.Tensor, mode: RouteMode
+    adapters: AdapterSet,
+    grads: RolloutGradients,
+    flagged: torch.Tensor,
+    mode: RouteMode,
+    split: RouteSplit = "partition",
 ) -> float:
     """Rebuild `.grad`s from per-rollout gradients; returns the leakage.
 
-    On routable axes δS.grad becomes Σ_{b unflagged} g_b and δS_q.grad Σ_{b flagged} g_b
-    (`route`) or 0 (`erase`); unroutable axes keep δS's full gradient and give δS_q none.
-    δS_q's own backprop gradient is replaced, not added to: δS and δS_q enter the forward
-    as one sum, so their raw gradients are equal and keeping both would count every rollout
-    twice.
+    On routable axes, with G = Σ_b g_b the step's total:
+    - `partition`: δS.grad = Σ_{b unflagged} g_b, δS_q.grad = Σ_{b flagged} g_b. With
+      GRPO's zero-sum advantages G is a small difference of large per-rollout terms, so
+      the two sums can each be far larger than G and nearly opposite: under a shared
+      second moment (`RoutedAdamW`) each part then steps farther than the total, and δS and
+      δS_q drift apart while only their sum is trained.
+    - `share`: per coordinate, δS_q.grad = ρ·G and δS.grad = (1 − ρ)·G, where ρ is the
+      flagged rollouts' sum over G, clipped to [0, 1] (0 where they push against G). Each
+      part has G's sign and at most its size, coordinate by coordinate, so neither part's
+      gradient outgrows the total's second moment that scales its step, and with no flags
+      δS_q gets nothing. The parts still move apart where flagged and unflagged rollouts
+      disagree from step to step (that is what routing is for), but not by the zero-sum
+      amplification.
+    `erase` gives δS_q nothing either way. Unroutable axes keep δS's full gradient and give
+    δS_q none. δS_q's own backprop gradient is replaced, not added to: δS and δS_q enter
+    the forward as one sum, so their raw gradients are equal and keeping both would count
+    every rollout twice.
     """
     if mode not in ("route", "erase"):
         raise InvalidRequestError(f"routing mode must be 'route' or 'erase', got {mode!r}")
+    if split not in ("partition", "share"):
+        raise InvalidRequestError(f"routing split must be 'partition' or 'share', got {split!r}")
     if mode == "route" and adapters.config.quarantine != "svd":
         raise InvalidRequestError(
             "Arm A 'route' moves δS-basis gradient into δS_q and needs quarantine='svd'; "
@@ -230,12 +254,26 @@ def apply_gradient_mask(
         )
     keep = (~flagged).to(next(iter(grads.per_rollout.values())).dtype)[:, None]  # [B, 1]
     flag = flagged.to(keep.dtype)[:, None]
+    names = list(adapters.modules)
+    if split == "partition":
+        parts = {
+            n: ((grads.per_rollout[n] * keep).sum(0), (grads.per_rollout[n] * flag).sum(0))
+            for n in names
+        }
+    else:  # share
+        parts = {}
+        for n in names:
+            total = grads.per_rollout[n].sum(0)
+            pushed = (grads.per_rollout[n] * flag).sum(0)
+            share = torch.where(total != 0, pushed / torch.where(total != 0, total, 1), 0)
+            routed = share.clamp(0, 1) * total
+            parts[n] = (total - routed, routed)
     kept_sq = routed_sq = 0.0
     for name, m in adapters.modules.items():
-        g, ok = grads.per_rollout[name], grads.routable[name]
+        ok = grads.routable[name]
         full = m.delta_s.grad if m.delta_s.grad is not None else torch.zeros_like(m.delta_s)
-        kept = torch.where(ok, (g * keep).sum(0), full)
-        routed = torch.where(ok, (g * flag).sum(0), 0)
+        kept = torch.where(ok, parts[name][0], full)
+        routed = torch.where(ok, parts[name][1], 0)
         m.delta_s.grad = kept
         if m.delta_s_q is not None:
             m.delta_s_q.grad = routed if mode == "route" else None
@@ -255,12 +293,13 @@ def route_gradients(
     mode: RouteMode = "route",
     kind: GateKind = "scale",
     eps: float = 1e-8,
+    split: RouteSplit = "partition",
 ) -> RoutingStats:
     """Arm A after `loss.backward()` inside `adapters.gates(B, kind)`: flag, then reroute."""
     grads = rollout_gradients(adapters, gates, kind, eps)
     scores = gradient_scores(grads, direction)
     flagged = scores > tau
-    leakage = apply_gradient_mask(adapters, grads, flagged, mode)
+    leakage = apply_gradient_mask(adapters, grads, flagged, mode, split)
     return RoutingStats(flagged, scores, leakage)
 
 
