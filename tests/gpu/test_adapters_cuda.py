@@ -14,6 +14,7 @@ import torch
 from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.engine.kernels.lowrank import lowrank_expand_reference, lowrank_expand_triton
 from tests.adapter_states import merged_hf_model, random_state
+from tests.gpu.test_fast_path_cuda import _assert_same
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -102,12 +103,7 @@ def test_adapted_graph_replay_equals_eager_float32(tiny_checkpoint):
         runs[eager] = _serve(engine, lambda i: _params(i, logprobs=2)), engine.stats()
     (graph, gstats), (eager, estats) = runs[False], runs[True]
     assert gstats["num_adapted_graph_steps"] > 10 and estats["num_graph_steps"] == 0
-    for g, e in zip(graph, eager, strict=True):
-        assert g.token_ids == e.token_ids
-        for dg, de in zip(g.logprobs, e.logprobs, strict=True):
-            assert dg.keys() == de.keys()
-            for t in dg:
-                assert dg[t] == pytest.approx(de[t], abs=1e-4)
+    _assert_same(graph, eager)
 
 
 def test_unadapted_requests_beside_adapted_ones_match_a_batch_without_adapters_bf16(

@@ -143,12 +143,16 @@ def test_gradient_direction_is_the_unit_mean_difference_of_per_pair_gradients(ck
     assert all(g.shape == (len(PROMPTS), 4) for g in per_seq.values())
 
 
+def _shift_gradients(model, adapters):
+    """Per-rollout gradients of ROLLOUTS' GRPO-shaped loss, through `shift` gates."""
+    with adapters.gates(4, "shift") as gates:
+        _loss(model, pad_batch(ROLLOUTS, side="left"), ADVANTAGES).backward()
+    return rollout_gradients(adapters, gates, "shift")
+
+
 def test_a_rollout_pushing_along_the_direction_is_flagged(ckpt):
     model, adapters = _setup(ckpt)
-    batch = pad_batch(ROLLOUTS, side="left")
-    with adapters.gates(4, "shift") as gates:
-        _loss(model, batch, ADVANTAGES).backward()
-    grads = rollout_gradients(adapters, gates, "shift")
+    grads = _shift_gradients(model, adapters)
     # The hack direction is rollout 2's own descent direction: cosine 1 for it.
     direction = HackDirection("gradient", {n: -g[2] / 1.0 for n, g in grads.per_rollout.items()})
     scores = gradient_scores(grads, direction)
@@ -326,10 +330,7 @@ def test_route_gradients_end_to_end_and_the_placebo(ckpt):
 
 def test_the_share_split_gives_each_part_at_most_the_total_and_nothing_unflagged(ckpt):
     model, adapters = _setup(ckpt)
-    batch = pad_batch(ROLLOUTS, side="left")
-    with adapters.gates(4, "shift") as gates:
-        _loss(model, batch, ADVANTAGES).backward()
-    grads = rollout_gradients(adapters, gates, "shift")
+    grads = _shift_gradients(model, adapters)
     names = list(adapters.modules)
     total = torch.cat([grads.per_rollout[n].sum(0) for n in names])
     flagged = torch.tensor([True, False, False, True])
