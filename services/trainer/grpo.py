@@ -43,7 +43,13 @@ from services.trainer.async_rollouts import AsyncRollouts
 from services.trainer.envs import Env, Grade, make_env, training_scope
 from services.trainer.grpo_loss import GRPOLossConfig, group_advantages, grpo_loss
 from services.trainer.model import TokenBatch, TrainableModel, pad_batch
-from services.trainer.rollouts import POLICY, RayRollouts, Rollout, RolloutEngine
+from services.trainer.rollouts import (
+    POLICY,
+    RayRollouts,
+    Rollout,
+    RolloutEngine,
+    TrainingRollout,
+)
 from services.trainer.routing import (
     HackDirection,
     activation_direction,
@@ -338,17 +344,20 @@ class GRPOTrainer:
         else:
             rolled = self.rollouts(self.env.sample_prompts(cfg.prompts_per_step, self.rng))
             took = None
+        # The update gets rollouts without labels; the grades stay here, for logging.
         grades = [r.grade for r in rolled]
+        training = [r.for_training() for r in rolled]
+        del rolled
         with training_scope("grpo step"):
-            rewards = torch.tensor([g.training_view().reward for g in grades])
-            metrics, scores = self._update(rolled, rewards)
+            rewards = torch.tensor([r.reward for r in training])
+            metrics, scores = self._update(training, rewards)
         metrics.seconds = time.perf_counter() - t0
         if took is not None:
             metrics.staleness, metrics.dropped_stale = took.staleness, took.dropped
         self.step_index += 1
         return metrics, grades, scores
 
-    def _batch(self, rolled: list[Rollout]) -> tuple[TokenBatch, torch.Tensor]:
+    def _batch(self, rolled: list[TrainingRollout]) -> tuple[TokenBatch, torch.Tensor]:
         rows, old = [], []
         for r in rolled:
             ids = r.token_ids or [self.tokenizer.eos_token_id or 0]
@@ -373,7 +382,7 @@ class GRPOTrainer:
         return torch.where(mask, picked, torch.zeros_like(picked)), mask
 
     def _update(
-        self, rolled: list[Rollout], rewards: torch.Tensor
+        self, rolled: list[TrainingRollout], rewards: torch.Tensor
     ) -> tuple[StepMetrics, torch.Tensor]:
         cfg, adapters = self.cfg, self.adapters
         batch, old_logp = self._batch(rolled)

@@ -5,8 +5,10 @@ grade the results with the environment, so rewards are computed off the trainer.
 `RayRollouts` spreads each batch of prompts over several of them as Ray actors. Both take
 weight sync as the adapters' δ vectors (`sync`) and return one `Rollout` per sample: the
 prompt and completion tokens, the sampled tokens' logprobs (the old policy of the PPO ratio)
-and its `Grade` (whose oracle labels the trainer may read only outside its training scope).
-The asynchronous path through a Redis stream is in `async_rollouts.py`.
+and its `Grade`. A `Rollout` is an evaluation record: the trainer splits it into a
+`TrainingRollout` (no oracle label anywhere in it), which is all the update sees, and the
+labels, which only logging reads. The asynchronous path through a Redis stream is in
+`async_rollouts.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,28 @@ class Rollout:
     logprobs: list[float]
     text: str
     grade: Grade
+    policy_version: int = 0
+
+    def for_training(self) -> TrainingRollout:
+        """What the trainer may learn from: the tokens, their logprobs and the reward."""
+        return TrainingRollout(
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            reward=self.grade.training_view().reward,
+            policy_version=self.policy_version,
+        )
+
+
+@dataclass(frozen=True)
+class TrainingRollout:
+    """A rollout as the GRPO update receives it. It has no field that holds or reaches an
+    oracle label (`tests/integration/test_grpo.py` walks what the update is given)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    reward: float
     policy_version: int = 0
 
 

@@ -4,14 +4,18 @@ guard, checkpoints and the metrics log."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import random
+import types
 
 import pydantic
 import pytest
 import torch
 
-from services.trainer.envs import ENVS, EvalLabelAccessError
+from services.trainer.envs import ENVS, EvalLabelAccessError, EvalLabels, Grade
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, auroc, read_log, run
+from services.trainer.rollouts import TrainingRollout
 from tests.parity_env import ParityEnv
 
 
@@ -94,7 +98,7 @@ def test_rollouts_use_the_synced_weights(path, tmp_path, kw):
     assert version == trainer.engine.adapters.loaded["policy"].version > 1
     rolled = trainer.rollouts(["12+34="])
     assert len(rolled) == trainer.cfg.group_size
-    batch, old_logp = trainer._batch(rolled)
+    batch, old_logp = trainer._batch([r.for_training() for r in rolled])
     with torch.no_grad():
         logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
     torch.testing.assert_close(logp[mask], old_logp[mask], atol=1e-4, rtol=0)
@@ -108,13 +112,48 @@ def test_a_lora_quarantine_cannot_take_svd_basis_routing(path, tmp_path):
         _config(path, tmp_path, optimizer="routed_adamw", quarantine="lora")
 
 
-def test_training_never_reads_the_oracle_labels(path, tmp_path, monkeypatch):
+def _reaches_labels(*roots) -> bool:
+    """Whether an oracle label (`EvalLabels`, or a `Grade` holding one) is reachable from
+    `roots` through the objects they refer to (classes, modules and functions are not
+    followed: they lead to the whole program)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type | types.ModuleType | types.FunctionType):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, EvalLabels | Grade):
+            return True
+        todo += gc.get_referents(obj)
+    return False
+
+
+def test_training_cannot_reach_the_oracle_labels(path, tmp_path, monkeypatch):
+    """By construction: the update is given rollouts of a type with no label field, and no
+    label is reachable from anything it is given. The training scope still catches a read
+    through any other path."""
     trainer = GRPOTrainer(_config(path, tmp_path))
-    trainer.step()  # reading a label in the training scope would raise here
+    trainer.sync_weights()
+    assert _reaches_labels(trainer.rollouts(["12+34="]))  # the walk does find them
+    given = []
     real_update = trainer._update
 
+    def spying_update(rolled, rewards):
+        given.append((rolled, rewards))
+        return real_update(rolled, rewards)
+
+    monkeypatch.setattr(trainer, "_update", spying_update)
+    trainer.step()  # reading a label in the training scope would raise here
+    rolled, rewards = given[0]
+    assert rolled and all(type(r) is TrainingRollout for r in rolled)
+    assert {f.name for f in dataclasses.fields(TrainingRollout)} == {
+        "prompt_token_ids", "token_ids", "logprobs", "reward", "policy_version"
+    }  # fmt: skip
+    assert not _reaches_labels(rolled, rewards)
+
     def cheating_update(rolled, rewards):
-        [r.grade.eval_only.hacked for r in rolled]  # a cheat
+        cheat = trainer.rollouts(["12+34="])[0].grade.eval_only.hacked  # by another path
+        assert cheat is not None
         return real_update(rolled, rewards)
 
     monkeypatch.setattr(trainer, "_update", cheating_update)

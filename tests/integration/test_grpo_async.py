@@ -90,7 +90,7 @@ def test_fresh_groups_carry_the_trainers_logprobs_and_stale_ones_are_dropped(
         assert took.staleness == 0
         assert {r.policy_version for r in rolled} == {version}
         assert len(rolled) == 2 * trainer.cfg.group_size
-        batch, old_logp = trainer._batch(rolled)
+        batch, old_logp = trainer._batch([r.for_training() for r in rolled])
         with torch.no_grad():
             logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
         torch.testing.assert_close(logp[mask], old_logp[mask], atol=1e-4, rtol=0)
