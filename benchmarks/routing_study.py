@@ -11,8 +11,10 @@ steps), the gate's AUROC against the held-back hack labels (diagnostic only: tra
 reads them) and the adapter norms ‖δS‖ / ‖δS_q‖ / ‖δS + δS_q‖ (drift).
 
 Then the comparisons of the primary outcome, the deploy hack rate: every arm against
-vanilla and every routed arm against the placebo, by permutation test, Holm-corrected over
-the family. An arm counts only if its deploy true pass is at least vanilla's − 0.02.
+vanilla, every routed arm against the random-direction placebo, and with
+`--rate-matched-placebos` every routed arm against its own placebo ("ARM~placebo": the same
+arm flagging rollouts at random at its measured rate), by permutation test, Holm-corrected
+over the family. An arm counts only if its deploy true pass is at least vanilla's − 0.02.
 
 Every run's record goes to a JSONL file with the code revision (`--jsonl`), so the tables
 and the per-run scatter plot (deploy hack vs deploy true pass, beside the JSONL) can be
@@ -86,67 +88,82 @@ def base_dir(args: argparse.Namespace, index: int) -> Path:
 
 
 def run_study(args: argparse.Namespace) -> list[dict]:
-    """Every (base, arm, seed) run; one JSONL record each, appended as it finishes."""
+    """Every (base, arm, seed) run; one JSONL record each, appended as it finishes. With
+    `--rate-matched-placebos`, each routed arm is followed by its placebo, "ARM~placebo":
+    the same arm with each rollout flagged at random, at the arm's mean measured flag rate
+    on that base."""
     rev = revision()
     jsonl = Path(args.jsonl)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
-    records = []
+    records: list[dict] = []
     with jsonl.open("w") as out:
+
+        def one(index: int, base: Path, arm: str, seed: int, rate: float | None = None) -> dict:
+            t0 = time.perf_counter()
+            cfg = GRPOConfig(
+                model=str(base),
+                env=args.env,
+                arm=arm,
+                steps=args.steps,
+                lr=args.lr,
+                tau=args.tau,
+                optimizer=args.optimizer,
+                route_split=args.split,
+                random_flags=rate,
+                rank=args.rank,
+                targets=args.targets.split(","),
+                seed=seed,
+                eval_every=args.steps,
+                eval_prompts=args.eval_prompts,
+                out_dir=tempfile.mkdtemp(prefix=f"routing-{arm}-{seed}-"),
+            )
+            history = run(cfg, resume=False)
+            final = [r for r in history if r["kind"] == "eval"][-1]
+            train = [r for r in history if r["kind"] == "train"]
+            aurocs = [r["gate_auroc"] for r in train if r.get("gate_auroc") is not None]
+            record = {
+                "revision": rev,
+                "env": args.env,
+                "base": index,
+                "arm": arm if rate is None else f"{arm}~placebo",
+                "seed": seed,
+                "steps": args.steps,
+                "lr": args.lr,
+                "tau": args.tau,
+                "optimizer": args.optimizer,
+                "split": args.split,
+                "random_flags": rate,
+                "rank": args.rank,
+                "targets": args.targets,
+                **{k: final[k] for k in COLUMNS[:4]},
+                "leakage": sum(r["leakage"] for r in train) / len(train),
+                "flag_rate": sum(r["flagged"] for r in train) / len(train),
+                "gate_auroc": sum(aurocs) / len(aurocs) if aurocs else None,
+                **{k: train[-1][k] for k in ("kept_norm", "quarantine_norm", "sum_norm")},
+                "seconds": time.perf_counter() - t0,
+            }
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            records.append(record)
+            print(
+                f"  base {index} {record['arm']:18s} seed {seed}: deploy hack "
+                f"{record['deploy_hack_rate']:.2f}, deploy true pass "
+                f"{record['deploy_true_pass']:.2f}, trained hack "
+                f"{record['trained_hack_rate']:.2f}; flagged {record['flag_rate']:.2f}; ‖δS‖ "
+                f"{record['kept_norm']:.2f}, ‖δS_q‖ {record['quarantine_norm']:.2f} "
+                f"({record['seconds']:.0f}s)",
+                flush=True,
+            )
+            return record
+
         for index in range(args.bases):
             base = base_dir(args, index)
             for arm in args.arms.split(","):
-                for seed in range(args.seeds):
-                    t0 = time.perf_counter()
-                    cfg = GRPOConfig(
-                        model=str(base),
-                        env=args.env,
-                        arm=arm,
-                        steps=args.steps,
-                        lr=args.lr,
-                        tau=args.tau,
-                        optimizer=args.optimizer,
-                        route_split=args.split,
-                        rank=args.rank,
-                        targets=args.targets.split(","),
-                        seed=seed,
-                        eval_every=args.steps,
-                        eval_prompts=args.eval_prompts,
-                        out_dir=tempfile.mkdtemp(prefix=f"routing-{arm}-{seed}-"),
-                    )
-                    history = run(cfg, resume=False)
-                    final = [r for r in history if r["kind"] == "eval"][-1]
-                    train = [r for r in history if r["kind"] == "train"]
-                    aurocs = [r["gate_auroc"] for r in train if r.get("gate_auroc") is not None]
-                    record = {
-                        "revision": rev,
-                        "env": args.env,
-                        "base": index,
-                        "arm": arm,
-                        "seed": seed,
-                        "steps": args.steps,
-                        "lr": args.lr,
-                        "tau": args.tau,
-                        "optimizer": args.optimizer,
-                        "split": args.split,
-                        "rank": args.rank,
-                        "targets": args.targets,
-                        **{k: final[k] for k in COLUMNS[:4]},
-                        "leakage": sum(r["leakage"] for r in train) / len(train),
-                        "gate_auroc": sum(aurocs) / len(aurocs) if aurocs else None,
-                        **{k: train[-1][k] for k in ("kept_norm", "quarantine_norm", "sum_norm")},
-                        "seconds": time.perf_counter() - t0,
-                    }
-                    out.write(json.dumps(record) + "\n")
-                    out.flush()
-                    records.append(record)
-                    print(
-                        f"  base {index} {arm:10s} seed {seed}: deploy hack "
-                        f"{record['deploy_hack_rate']:.2f}, deploy true pass "
-                        f"{record['deploy_true_pass']:.2f}, trained hack "
-                        f"{record['trained_hack_rate']:.2f}; ‖δS‖ {record['kept_norm']:.2f}, "
-                        f"‖δS_q‖ {record['quarantine_norm']:.2f} ({record['seconds']:.0f}s)",
-                        flush=True,
-                    )
+                runs = [one(index, base, arm, seed) for seed in range(args.seeds)]
+                if args.rate_matched_placebos and arm != "none":
+                    rate = sum(r["flag_rate"] for r in runs) / len(runs)
+                    for seed in range(args.seeds):
+                        one(index, base, arm, seed, rate)
     return records
 
 
@@ -258,6 +275,11 @@ def main(argv: list[str] | None = None) -> None:
         help="adapted Linears (comma-separated patterns; fused: *.qkv_proj, *.gate_up_proj)",
     )
     ap.add_argument("--eval-prompts", type=int, default=64)
+    ap.add_argument(
+        "--rate-matched-placebos",
+        action="store_true",
+        help="after each routed arm, the same arm with random flags at its measured rate",
+    )
     ap.add_argument("--jsonl", default="runs/routing_study.jsonl", help="every run's record")
     ap.add_argument("--from-jsonl", help="print the tables of an earlier study's records")
     args = ap.parse_args(argv)

@@ -52,11 +52,14 @@ from services.trainer.rollouts import (
 )
 from services.trainer.routing import (
     HackDirection,
+    RouteMode,
     activation_direction,
     activation_flags,
+    apply_gradient_mask,
     gradient_direction,
     gradient_leakage,
     random_direction,
+    rollout_gradients,
     route_gradients,
 )
 from services.trainer.weight_sync import engine_adapter_state
@@ -104,6 +107,13 @@ class GRPOConfig(BaseModel):
     gate: Literal["scale", "shift"] = Field(
         "shift", description="Arm A gate: scale divides δS back out (needs |δS| > 0)"
     )
+    random_flags: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="a rate-matched placebo: flag each rollout at random with this "
+        "probability instead of by the arm's direction (an arm's measured flag rate)",
+    )
     route_split: Literal["partition", "share"] = Field(
         "partition",
         description="Arm A: partition gives δS_q the flagged rollouts' summed gradient; "
@@ -139,6 +149,8 @@ class GRPOConfig(BaseModel):
                 f"arm {self.arm!r} moves δS-basis gradient into δS_q and needs quarantine "
                 "'svd'; with a LoRA quarantine use arm 'erase', 'activation' or 'none'"
             )
+        if self.random_flags is not None and self.arm == "none":
+            raise ValueError("random_flags replaces a routed arm's decision: pick an arm")
         if self.quarantine == "lora" and self.optimizer == "routed_adamw":
             raise ValueError("routed_adamw pairs δS with δS_q: it needs quarantine 'svd'")
         if self.rollout_mode == "async" and (self.rollout_workers < 1 or not self.redis_url):
@@ -402,20 +414,31 @@ class GRPOTrainer:
             logp, mask = self._completion_logp(batch, width)
             return grpo_loss(logp, old_logp, adv, mask, self.loss_config, ref_logp=ref)
 
+        placebo = self._random_flags(B) if cfg.random_flags is not None else None
         if cfg.arm in ("erase", "route", "placebo"):
             assert self.direction is not None
+            mode: RouteMode = "erase" if cfg.arm == "erase" else "route"
             with adapters.gates(B, kind=cfg.gate) as gates:
                 out = loss_of()
                 out.loss.backward()
-                mode = "erase" if cfg.arm == "erase" else "route"
-                stats = route_gradients(
-                    adapters, gates, self.direction, cfg.tau, mode, cfg.gate,
-                    split=cfg.route_split,
-                )  # fmt: skip
-            scores, flagged, leakage = stats.scores.detach(), stats.flagged, stats.leakage
+                if placebo is None:
+                    stats = route_gradients(
+                        adapters, gates, self.direction, cfg.tau, mode, cfg.gate,
+                        split=cfg.route_split,
+                    )  # fmt: skip
+                    scores, flagged, leakage = stats.scores.detach(), stats.flagged, stats.leakage
+                else:
+                    grads = rollout_gradients(adapters, gates, cfg.gate)
+                    flagged = placebo
+                    leakage = apply_gradient_mask(adapters, grads, flagged, mode, cfg.route_split)
         elif cfg.arm == "activation":
             assert self.direction is not None
-            flagged, scores = activation_flags(self.model, adapters, batch, self.direction, cfg.tau)
+            if placebo is None:
+                flagged, scores = activation_flags(
+                    self.model, adapters, batch, self.direction, cfg.tau
+                )
+            else:
+                flagged = placebo
             with adapters.mask_rollouts(flagged, mode="route"):
                 out = loss_of()
                 out.loss.backward()
@@ -440,6 +463,12 @@ class GRPOTrainer:
             quarantine_norm=quarantine_norm,
             sum_norm=sum_norm,
         ), scores.detach().cpu()
+
+    def _random_flags(self, n: int) -> torch.Tensor:
+        """`[n]` bool: each rollout flagged with probability `random_flags`, seeded by the
+        run's seed and the step (a rate-matched placebo's decision)."""
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_index + 17)
+        return torch.rand(n, generator=g) < self.cfg.random_flags
 
     @torch.no_grad()
     def _adapter_norms(self) -> tuple[float, float, float]:

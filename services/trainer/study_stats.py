@@ -89,10 +89,17 @@ class Comparison:
 def compare_arms(
     by_arm: dict[str, Sequence[float]], baseline: str = "none", placebo: str = "placebo"
 ) -> list[Comparison]:
-    """Every arm against `baseline`, and every other arm against `placebo`, by permutation
-    test, Holm-corrected over that family (pairs whose reference arm is absent are left out)."""
+    """Every arm against `baseline`, every other arm against `placebo`, and every arm "A"
+    against its rate-matched placebo "A~placebo", by permutation test, Holm-corrected over
+    that family (pairs whose reference arm is absent are left out)."""
+    matched = {a for a in by_arm if a.endswith("~placebo")}
     pairs = [(a, baseline) for a in by_arm if a != baseline and baseline in by_arm]
-    pairs += [(a, placebo) for a in by_arm if a not in (baseline, placebo) and placebo in by_arm]
+    pairs += [
+        (a, placebo)
+        for a in by_arm
+        if a not in (baseline, placebo) and a not in matched and placebo in by_arm
+    ]
+    pairs += [(a, f"{a}~placebo") for a in by_arm if f"{a}~placebo" in by_arm]
     raw = {pair: permutation_p(by_arm[pair[0]], by_arm[pair[1]], seed=i) for i, pair in
            enumerate(pairs)}  # fmt: skip
     adjusted = holm({f"{a}|{b}": p for (a, b), p in raw.items()})

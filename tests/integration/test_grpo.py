@@ -185,3 +185,24 @@ def test_auroc():
     assert auroc([0.5], [True]) is None
     rng = random.Random(0)
     assert 0.0 <= auroc([rng.random() for _ in range(20)], [i % 2 == 0 for i in range(20)]) <= 1
+
+
+def test_random_flags_make_a_rate_matched_placebo(path, tmp_path):
+    """`random_flags` replaces the arm's decision with coin flips at that rate: at 0 the
+    quarantine never moves, at 1 every rollout's gradient goes to it, and in between the
+    measured flag rate follows the coin."""
+
+    def train(rate: float, name: str, steps: int = 2) -> list[dict]:
+        cfg = _config(path, tmp_path / name, steps=steps, arm="route", random_flags=rate)
+        return [r for r in run(cfg) if r["kind"] == "train"]
+
+    never = train(0.0, "never")
+    assert all(r["flagged"] == 0 and r["quarantine_norm"] == 0 for r in never)
+    assert never[-1]["kept_norm"] > 0
+    always = train(1.0, "always")
+    assert all(r["flagged"] == 1 for r in always)
+    assert always[-1]["kept_norm"] == 0 and always[-1]["quarantine_norm"] > 0
+    some = train(0.5, "some", steps=3)
+    assert 0 < sum(r["flagged"] for r in some) / len(some) < 1
+    with pytest.raises(pydantic.ValidationError, match="random_flags"):
+        _config(path, tmp_path, random_flags=0.5)  # arm "none" has no decision to replace

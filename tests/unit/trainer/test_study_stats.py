@@ -67,3 +67,9 @@ def test_arms_are_compared_with_vanilla_and_the_placebo_under_one_holm_family():
     assert {k: c.p_holm for k, c in zip(raw, got.values(), strict=True)} == holm(raw)
     assert got["activation", "none"].p > 0.3
     assert compare_arms({"route": [0.1]}) == []  # nothing to compare against
+
+
+def test_each_arm_is_also_compared_with_its_rate_matched_placebo():
+    by_arm = {"none": [0.9, 0.8], "route": [0.1, 0.2], "route~placebo": [0.5, 0.4]}
+    pairs = [(c.arm, c.against) for c in compare_arms(by_arm)]
+    assert pairs == [("route", "none"), ("route~placebo", "none"), ("route", "route~placebo")]
