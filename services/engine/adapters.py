@@ -101,12 +101,12 @@ def target_modules(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> d
 class LoadedAdapter:
     name: str
     version: int
-    rows: dict[Variant, int]  # variant -> row in every module's δ table
+    rows: dict[Variant, int]  # variant -> row in every module's coefficient table
     lora_rank: int = 0  # its LoRA quarantine's rank k (0: none)
 
     @property
     def slot(self) -> int:
-        """Its block of columns in the modules' LoRA buffers."""
+        """Its block of LoRA columns in every module's tables."""
         return (self.rows["trained"] - 1) // 2
 
 

@@ -165,7 +165,7 @@ class RequestGroup:
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: tuple = ()
-    adapter_row: int = 0  # its row in every adapted Linear's δ table (0: no adapter)
+    adapter_row: int = 0  # its row in every adapted Linear's coefficient table (0: none)
     adapter_sig: bytes = b""  # the version of its adapter, in the KV signature of positions
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
