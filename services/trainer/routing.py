@@ -196,7 +196,7 @@ def rollout_gradients(
         else:
             ds = adapters.modules[name].delta_s.detach()
             ok = ds.abs() > eps
-            per_rollout[name] = torch.where(ok, cg / torch.where(ok, ds, 1), 0)
+            per_rollout[name] = _divide_where(cg, ds, ok)
             routable[name] = ok
     return RolloutGradients(per_rollout, routable)
 
@@ -265,7 +265,7 @@ def apply_gradient_mask(
         for n in names:
             total = grads.per_rollout[n].sum(0)
             pushed = (grads.per_rollout[n] * flag).sum(0)
-            share = torch.where(total != 0, pushed / torch.where(total != 0, total, 1), 0)
+            share = _divide_where(pushed, total, total != 0)
             routed = share.clamp(0, 1) * total
             parts[n] = (total - routed, routed)
     kept_sq = routed_sq = 0.0
@@ -343,6 +343,11 @@ def gradient_leakage(adapters: AdapterSet) -> float:
         float(p.grad.pow(2).sum()) for p in adapters.quarantine_parameters() if p.grad is not None
     )
     return _leakage(kept_sq, routed_sq)
+
+
+def _divide_where(num: torch.Tensor, den: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """`num / den` where `ok`, else 0 (the masked entries never divide, so no inf or nan)."""
+    return torch.where(ok, num / torch.where(ok, den, 1), 0)
 
 
 def _leakage(kept_sq: float, routed_sq: float) -> float:

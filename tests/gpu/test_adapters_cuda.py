@@ -15,6 +15,7 @@ from services.engine import EngineConfig, LLMEngine, OutputAccumulator, Sampling
 from services.engine.kernels.lowrank import lowrank_expand_reference, lowrank_expand_triton
 from tests.adapter_states import merged_hf_model, random_state
 from tests.gpu.test_fast_path_cuda import _assert_same
+from tests.gpu.test_oracle_bf16 import _bf16_ulp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -136,10 +137,6 @@ def test_unadapted_requests_beside_adapted_ones_match_a_batch_without_adapters_b
     assert agreed >= 0.8 * total
     changed = sum(mixed[i].token_ids != plain[i].token_ids for i in range(len(PROMPT_LENS)))
     assert changed > 0  # the adapters did change the adapted requests
-
-
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=1e-3))) - 7)
 
 
 @torch.inference_mode()

@@ -43,7 +43,7 @@ def test_each_token_adds_its_rows_term_and_row_zero_tokens_keep_the_gemm():
     x, w, basis_in = x.double(), w.double(), basis_in.double()
     for t, r in enumerate(case["rows"].tolist()):
         want = x[t] @ w.T + sum(c[r, j] * (x[t] @ basis_in[:, j]) * u[:, j] for j in range(5))
-        assert torch.allclose(got[t].double(), want, atol=1e-5)
+        assert torch.allclose(got[t].double(), want, atol=1e-4)  # float32 against float64
     assert torch.equal(got[:3], case["yz"][:3, :10])  # row 0: the GEMM's bits
 
 
@@ -70,7 +70,7 @@ def test_triton_matches_the_reference(T, IN, OUT, R):
     case, _ = _case(T, IN, OUT, R, seed=T)
     want = lowrank_expand_reference(**case)
     got = lowrank_expand_triton(**case)
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(got, want, atol=1e-4)
     untouched = case["rows"] == 0
     assert torch.equal(got[untouched], case["yz"][untouched, :OUT])
     nobody = {**case, "rows": torch.zeros_like(case["rows"])}
