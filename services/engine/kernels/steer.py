@@ -201,11 +201,13 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_H)
 
         if BLOCK_C > 0:
-            # Read-outs, behind a branch: a token that reads nothing pays one load.
+            # Read-outs, behind a branch: a token that reads nothing, or a site whose bank
+            # is empty (a reading token meets every site of the graph), pays two loads.
             read_row = tl.load(read_rows_ptr + t)
-            if read_row >= 0:
+            num_live = tl.load(count_ptr)
+            if (read_row >= 0) & (num_live > 0):
                 ccols = tl.arange(0, BLOCK_C)
-                live = ccols < tl.load(count_ptr)  # past the live count: masked, never loaded
+                live = ccols < num_live  # past the live count: masked, never loaded
                 read_acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
                 for start in range(0, H, BLOCK_H):
                     c = start + cols

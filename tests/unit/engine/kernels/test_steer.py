@@ -207,6 +207,22 @@ def test_triton_matches_reference_with_readouts_and_carry():
     assert got_scores[:, 5:].isnan().all() and not got_scores[read, :5].isnan().any()
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [steer_reference, pytest.param(steer_triton, marks=interpreted_only)],
+    ids=["reference", "triton"],
+)
+def test_a_site_with_an_empty_bank_writes_no_scores_and_steers_the_same(fn):
+    """Reading tokens meet every site of the graph; where the site's bank is empty they
+    write nothing (the scores stay poisoned) and the output is the op's without a bank."""
+    case = with_readback(random_case(12, 40, seed=12), live=0)
+    out, fired, scores = run_readback(fn, case)
+    assert scores.isnan().all()
+    no_bank = {**case, "probe_bank": None, "probe_count": None, "read_rows": None}
+    want, want_fired, _ = run_readback(fn, {**no_bank, "scores": None})
+    assert torch.equal(out, want) and torch.equal(fired, want_fired)
+
+
 def test_norm_is_the_rms_norm_of_the_output():
     """With `norm_weight` the op also returns the next norm of its output, exactly as the
     norm would compute it from the output."""
