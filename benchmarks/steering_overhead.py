@@ -204,6 +204,11 @@ def load_adapters(llm: LLM, count: int, scale: float, seed: int) -> None:
         llm.engine.load_adapter(f"adapter{j}", state)
 
 
+# Tokens a `decode_rates` request may generate beyond its timed steps (prefill's token and
+# the warm steps among them), so that none ends inside them.
+DECODE_SLACK = 16
+
+
 def decode_rates(
     llm: LLM, prompts: list[list[int]], configs: dict[str, list[SamplingParams]], steps: int,
     repeats: int, device: torch.device,
@@ -244,7 +249,7 @@ def decode_rates(
                 engine.submit_action(action)
             for i, p in enumerate(prompts):
                 cfg = params[i % len(params)]
-                engine.add_request(f"decode-{i}", p, replace(cfg, max_tokens=steps + 16))
+                engine.add_request(f"decode-{i}", p, replace(cfg, max_tokens=steps + DECODE_SLACK))
             while any(g.seqs[0].num_generated == 0 for g in engine.requests.values()):
                 engine.step()
             for _ in range(4):
@@ -490,6 +495,11 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         enable_prefix_caching=False,
         steering_request_rows=max(256, *args.ks),  # the default pool, or more if K needs it
         adapter_capacity=args.adapters if args.decode_steps else 0,
+        # Pinned host rows for every token a per-token capture pass holds until its
+        # requests are delivered, page-locked at start rather than on the first pass.
+        capture_host_rows=args.num_seqs * (args.decode_steps + DECODE_SLACK)
+        if args.decode_steps
+        else None,
         seed=args.seed,
     )
     k_names = {
@@ -599,7 +609,9 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         stats = llm.engine.stats()
         print(
             f"graph steps: {stats['num_graph_steps']} (steered {stats['num_steered_graph_steps']},"
-            f" adapted {stats['num_adapted_graph_steps']}), eager steps: {stats['num_eager_steps']}"
+            f" adapted {stats['num_adapted_graph_steps']}),"
+            f" eager steps: {stats['num_eager_steps']}, capture blocks outside the pinned"
+            f" reserve: {stats['num_capture_host_misses']}"
         )
         if args.adapters:  # they must change outputs, or a no-op adapter path looks free
             name = f"adapters x{args.adapters}"

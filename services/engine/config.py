@@ -65,6 +65,11 @@ class EngineConfig:
     # replay a CUDA graph and overlap like any intervened step. A step with more capturing
     # tokens, or 0 here, copies each (layer, site) eagerly.
     graph_capture_rows: int | None = None
+    # Pinned host rows (each 3 x layers x hidden in the model dtype) reserved at start on
+    # CUDA for those copies: a captured row holds one until its request is delivered, and
+    # a step whose rows do not fit page-locks a fresh block (milliseconds per step; counted
+    # in stats, warned once). None: 8 steps of `graph_capture_rows`.
+    capture_host_rows: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).
     async_scheduling: bool = True
@@ -87,10 +92,9 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"adapter_lora_rank must be >= 0, got {self.adapter_lora_rank}"
             )
-        if self.graph_capture_rows is not None and self.graph_capture_rows < 0:
-            raise InvalidRequestError(
-                f"graph_capture_rows must be >= 0, got {self.graph_capture_rows}"
-            )
+        for name in ("graph_capture_rows", "capture_host_rows"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InvalidRequestError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         unknown = set(self.graph_steering_sites) - set(SITES)

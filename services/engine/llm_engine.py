@@ -137,6 +137,7 @@ class LLMEngine:
             capture_rows=capture_rows,
             hidden=self.model_config.hidden_size,
             dtype=self.dtype,
+            host_rows=8 * capture_rows if cfg.capture_host_rows is None else cfg.capture_host_rows,
         )
         if not cfg.enforce_eager and self.runner.can_use_graphs():
             steer_sites = frozenset(
@@ -651,6 +652,7 @@ class LLMEngine:
     def stats(self) -> dict:
         """Counters for dashboards and tests: cache hits, preemptions, pool use."""
         bm = self.block_manager
+        host_rows = self.runner.readback.host_rows if self.runner.readback else None
         return {
             "num_steps": self.num_steps,
             "num_running": len(self.scheduler.running),
@@ -671,6 +673,8 @@ class LLMEngine:
             "num_eager_steps": self.runner.num_eager_steps,
             "num_patch_passes": self.num_patch_passes,
             "num_patch_pass_tokens": self.num_patch_pass_tokens,
+            # capture blocks that did not fit the pinned reserve (capture_host_rows)
+            "num_capture_host_misses": host_rows.num_misses if host_rows else 0,
             "config": asdict(self.config),
         }
 

@@ -5,6 +5,7 @@ sync beyond the copy of its sampled tokens."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 from collections.abc import Callable
 
@@ -316,8 +317,10 @@ def _capture_params(i: int, hidden: int, num_layers: int) -> SamplingParams:
     )
 
 
-def _run_captures(path, dtype: str, eager: bool):
-    cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8)
+def _run_captures(path, dtype: str, eager: bool, host_rows: int | None = None):
+    cfg = EngineConfig(
+        device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8, capture_host_rows=host_rows
+    )
     engine = LLMEngine(path, cfg)
     shape = engine.model_config.hidden_size, engine.model_config.num_layers
     outs, totals = {}, OutputAccumulator()
@@ -332,12 +335,23 @@ def _run_captures(path, dtype: str, eager: bool):
     return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
-def test_decode_captures_replay_the_capture_graph_and_equal_eager(tiny_checkpoint, dtype, tol):
+@pytest.mark.parametrize(
+    "dtype,tol,host_rows",
+    [("float32", 1e-4, 4096), ("bfloat16", 3e-2, 4096), ("float32", 1e-4, 12)],
+)
+def test_decode_captures_replay_the_capture_graph_and_equal_eager(
+    tiny_checkpoint, dtype, tol, host_rows
+):
+    """With a pinned reserve that holds every block, and one so small that runs are reused
+    while other requests still hold theirs and most blocks miss it."""
     path = tiny_checkpoint("qwen3")
-    graph, engine = _run_captures(path, dtype, eager=False)
+    graph, engine = _run_captures(path, dtype, eager=False, host_rows=host_rows)
     eager, eager_engine = _run_captures(path, dtype, eager=True)
     stats = engine.stats()
+    pool = engine.runner.readback.host_rows
+    gc.collect()
+    assert pool.num_free == host_rows  # every delivered request gave its rows back
+    assert (stats["num_capture_host_misses"] == 0) == (host_rows > 1000)
     assert stats["num_capture_graph_steps"] > 10 and eager_engine.stats()["num_graph_steps"] == 0
     snap = engine.steering_snapshot()["captured_tokens"]
     assert snap["block"] > 10 * len(PROMPT_LENS) // 2
