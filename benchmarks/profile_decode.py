@@ -4,6 +4,8 @@ On a generated Qwen3-0.6B-shaped checkpoint (context 512), for each batch size i
 - wall time per decode step;
 - host-busy time: wall time minus the time `engine.step()` waits on the event of the step's
   one device→host copy;
+- the host's milliseconds per step in each stage of `LLMEngine.step` (`STAGES`): which
+  part of the host's work would bound the step if the device were faster;
 - the kernels executed per step and the CUDA API calls per step (`torch.profiler`);
 - how many sync warnings `torch.cuda.set_sync_debug_mode("warn")` raised over 5 steps.
 
@@ -14,17 +16,36 @@ Prints numbers only; it is never a pass/fail test.
 
 from __future__ import annotations
 
+import collections
 import random
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import services.engine.model_runner as model_runner
 from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine.interventions.manager import InterventionManager
 from services.engine.model.tiny import make_tiny_checkpoint
+from services.engine.scheduler import Scheduler
+
+# The stages of a decode step, as (class, method): scheduling, planning interventions,
+# building the step batch, launching it, waiting for the step before, what its
+# interventions read back, and taking its tokens into sequences and deltas.
+STAGES = [
+    (Scheduler, "schedule"),
+    (InterventionManager, "plan_step"),
+    (model_runner.ModelRunner, "_build"),
+    (model_runner.ModelRunner, "launch"),
+    (model_runner.PendingStep, "result"),
+    (InterventionManager, "observe"),
+    (LLMEngine, "_accept"),
+]
 
 waited = [0.0]
 _result = model_runner.PendingStep.result
@@ -36,6 +57,31 @@ def _timed_result(self: model_runner.PendingStep) -> model_runner.StepResult:
         self.copied.synchronize()
         waited[0] += time.perf_counter() - t
     return _result(self)
+
+
+@contextmanager
+def stage_times(totals: dict[str, float]) -> Iterator[None]:
+    """Add the seconds spent in each of `STAGES` to `totals` while inside (nested calls
+    count in each stage: `_build` is part of `launch`)."""
+
+    def timed(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t
+
+        return call
+
+    originals = [(cls, name, getattr(cls, name)) for cls, name in STAGES]
+    for cls, name, f in originals:
+        setattr(cls, name, timed(name, f))
+    try:
+        yield
+    finally:
+        for cls, name, f in originals:
+            setattr(cls, name, f)
 
 
 def main() -> None:
@@ -88,6 +134,12 @@ def main() -> None:
         print(f"batch {batch}: {wall * 1e3:.2f} ms/step, host busy {host_ms:.2f} ms")
         print(f"  {kernels / 10:.0f} kernels/step; sync warnings in 5 steps: {syncs}")
         print(f"  CUDA API calls per step: {calls}")
+        totals: dict[str, float] = collections.defaultdict(float)
+        with stage_times(totals):
+            for _ in range(n):
+                engine.step()
+        parts = ", ".join(f"{name} {1e3 * totals[name] / n:.3f}" for _, name in STAGES)
+        print(f"  host ms/step by stage: {parts}")
         for rid in rids:
             engine.abort(rid)
         engine.step()

@@ -46,7 +46,7 @@ from services.engine.outputs import CompletionDelta, RequestDelta
 from services.engine.parallel import SINGLE_PROCESS, ParallelContext
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import PLACEHOLDER, RequestGroup, Sequence
+from services.engine.sequence import PLACEHOLDER, RequestGroup, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -439,18 +439,20 @@ class LLMEngine:
         advanced."""
         self.scheduler.publish(sched)
         touched: dict[str, RequestGroup] = {}
+        prompt_logprobs, sampled = result.prompt_logprobs, result.sampled
         for i, s in enumerate(sched.scheduled):
-            seq, group = s.seq, s.seq.group
-            if seq.is_finished:  # aborted, or stopped while this step was in flight
+            seq = s.seq
+            if seq.status is SeqStatus.FINISHED:  # aborted, or stopped while in flight
                 continue
-            if result.prompt_logprobs[i] is not None:
-                _, dicts = result.prompt_logprobs[i]
+            group = seq.group
+            if prompt_logprobs[i] is not None:
+                _, dicts = prompt_logprobs[i]
                 group.prompt_logprobs.extend(dicts)
             if s.start < seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(
                     s.num_tokens, seq.num_prompt_tokens - s.start
                 )
-            token = result.sampled[i]
+            token = sampled[i]
             if token is None:
                 continue
             touched[group.request_id] = group
@@ -478,29 +480,33 @@ class LLMEngine:
         logprobs: dict[int, float] | None,
         readouts: dict[str, float] | None = None,
     ) -> None:
-        if seq.num_pending:  # an overlapped step: the token takes its placeholder's place
-            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
-            seq.num_pending -= 1
+        # Runs for every token of every step: locals, not properties, where it is cheap.
+        ids, pending = seq.token_ids, seq.num_pending
+        if pending:  # an overlapped step: the token takes its placeholder's place
+            ids[len(ids) - pending] = token
+            seq.num_pending = pending = pending - 1
         else:
-            seq.token_ids.append(token)
+            ids.append(token)
         self.num_generated_tokens += 1
         if seq.unsent_logprobs is not None:
             seq.unsent_logprobs.append(logprobs or {})
         if seq.unsent_readouts is not None:
             seq.unsent_readouts.append(readouts or {})
-        params = seq.group.params
+        group = seq.group
+        params = group.params
         prev_len = len(seq.text)
         seq.text += self._decode_increment(seq)
-        if token in seq.group.eos_token_ids or token in params.stop_token_ids:
+        length = len(ids) - pending  # accepted tokens, prompt included
+        if token in group.eos_token_ids or token in params.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
         elif params.stop and self._check_stop_strings(seq, prev_len):
             pass
-        elif seq.num_tokens - seq.num_pending >= self.max_model_len or (
-            params.max_tokens is not None and seq.num_generated >= params.max_tokens
+        elif length >= self.max_model_len or (
+            params.max_tokens is not None and length - seq.num_prompt_tokens >= params.max_tokens
         ):
             self.scheduler.finish(seq, "length")
-        if seq.is_finished and seq.num_pending:  # a token computed past the end: drop it
-            del seq.token_ids[-seq.num_pending :]
+        if seq.num_pending and seq.is_finished:  # a token computed past the end: drop it
+            del ids[-seq.num_pending :]
             seq.num_pending = 0
 
     def _decode_increment(self, seq: Sequence) -> str:
@@ -511,12 +517,13 @@ class LLMEngine:
         mid-character: then nothing is emitted until the character completes.
         """
         skip = seq.group.params.skip_special_tokens
-        ids = seq.token_ids[: len(seq.token_ids) - seq.num_pending]
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip)
-        full = self.tokenizer.decode(ids[seq.prefix_offset :], skip)
+        ids, start = seq.token_ids, seq.prefix_offset
+        end = len(ids) - seq.num_pending  # slices of the window only: ids is the whole text
+        prefix = self.tokenizer.decode(ids[start : seq.read_offset], skip)
+        full = self.tokenizer.decode(ids[start:end], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        seq.prefix_offset, seq.read_offset = seq.read_offset, end
         return full[len(prefix) :]
 
     def _check_stop_strings(self, seq: Sequence, prev_len: int) -> bool:
@@ -542,34 +549,42 @@ class LLMEngine:
         found now starts at or after `prev_len - longest + 1` (`_check_stop_strings`), and
         everything sent so far ends at or before that.
         """
-        hold = max(map(len, group.params.stop), default=1) - 1
+        params = group.params
+        hold = max(map(len, params.stop)) - 1 if params.stop else 0
         samples = []
-        for seq in group.seqs:
+        for seq in group.seqs:  # every step, for every running request: kept lean
             generated = seq.num_generated
-            done = seq.is_finished
+            done = seq.status is SeqStatus.FINISHED
             if generated == seq.num_sent_tokens and (not done or seq.finish_sent):
                 continue
-            text_end = len(seq.text) if done else max(seq.num_sent_chars, len(seq.text) - hold)
+            text = seq.text
+            text_end = len(text) if done or not hold else max(seq.num_sent_chars, len(text) - hold)
             start = seq.num_prompt_tokens + seq.num_sent_tokens
+            logprobs, readouts = seq.unsent_logprobs, seq.unsent_readouts
+            if logprobs is not None:
+                seq.unsent_logprobs = []
+            if readouts is not None:
+                seq.unsent_readouts = []
             samples.append(
                 CompletionDelta(
                     index=seq.index,
                     token_offset=seq.num_sent_tokens,
                     token_ids=seq.token_ids[start : seq.num_prompt_tokens + generated],
-                    text=seq.text[seq.num_sent_chars : text_end],
-                    logprobs=_take(seq, "unsent_logprobs"),
-                    readouts=_take(seq, "unsent_readouts"),
+                    text=text[seq.num_sent_chars : text_end],
+                    logprobs=logprobs,
+                    readouts=readouts,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
             seq.num_sent_tokens, seq.num_sent_chars, seq.finish_sent = generated, text_end, done
+        finished = group.is_finished
         delta = RequestDelta(
             request_id=group.request_id,
             samples=samples,
-            finished=group.is_finished,
+            finished=finished,
             num_cached_tokens=group.num_cached_tokens or 0,
-            conversation_id=group.params.conversation_id,
+            conversation_id=params.conversation_id,
         )
         if not group.announced:
             group.announced = True
@@ -577,7 +592,7 @@ class LLMEngine:
         if group.prompt_logprobs is not None:
             delta.prompt_logprobs = group.prompt_logprobs[group.num_sent_prompt_logprobs :]
             group.num_sent_prompt_logprobs = len(group.prompt_logprobs)
-        if group.is_finished:
+        if finished:
             captured = self.interventions.captures(group)
             if captured:
                 delta.captures, delta.capture_positions = captured
@@ -677,11 +692,3 @@ class LLMEngine:
             "num_capture_host_misses": host_rows.num_misses if host_rows else 0,
             "config": asdict(self.config),
         }
-
-
-def _take(seq: Sequence, name: str) -> list | None:
-    """`seq.<name>` (a list of what accepted tokens carry), emptied on `seq`."""
-    items = getattr(seq, name)
-    if items is not None:
-        setattr(seq, name, [])
-    return items

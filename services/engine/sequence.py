@@ -187,4 +187,7 @@ class RequestGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs  # asked per request on every step: n == 1 without a generator
+        if len(seqs) == 1:
+            return seqs[0].status is SeqStatus.FINISHED
+        return all(s.status is SeqStatus.FINISHED for s in seqs)
