@@ -10,10 +10,14 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
   (gpt-fast's recipe) and replayed;
 - hf: transformers `generate` (greedy, static batches), decode rate = the extra time of
   `--steps` more new tokens;
-- coxswain: `LLMEngine.step()` after every request has prefilled.
+- coxswain: `LLMEngine.step()` after every request has prefilled;
+- with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
+  each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
+  engine, and its rate over the one-process one.
 
     PYTHONPATH=. python3 benchmarks/decode.py --shape qwen3-0.6b
     PYTHONPATH=. python3 benchmarks/decode.py --shape llama3-8b --systems ceiling,coxswain
+    PYTHONPATH=. python3 benchmarks/decode.py --shape llama3-8b --systems coxswain --tp 2
     PYTHONPATH=. python3 benchmarks/decode.py --shape tiny --device cpu --batch-sizes 1,4
 
 Prints numbers only; it is never a pass/fail test.
@@ -22,6 +26,7 @@ Prints numbers only; it is never a pass/fail test.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import tempfile
@@ -34,6 +39,7 @@ from safetensors.torch import load_file
 from throughput import copy_bandwidth, load_hf, sync
 
 from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine.distributed import launch_local
 from services.engine.model.config import load_model_config
 from services.engine.model.layers import RotaryEmbedding
 from services.engine.model.tiny import make_tiny_checkpoint
@@ -208,6 +214,11 @@ def bench_coxswain(engine: LLMEngine, prompts, steps) -> float:
     return len(prompts) * steps / seconds
 
 
+def bench_replica(prompts: dict[int, list[list[int]]], steps: int, engine: LLMEngine) -> dict:
+    """`bench_coxswain` at each batch size, on the driver rank of a parallel replica."""
+    return {b: bench_coxswain(engine, p, steps) for b, p in prompts.items()}
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -222,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-max", type=int, default=32, help="skip HF above this batch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--enforce-eager", action="store_true", help="Coxswain without CUDA graphs")
+    p.add_argument("--tp", type=int, default=1, help="also run a replica of this TP size")
+    p.add_argument("--pp", type=int, default=1, help="... and this PP size")
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -271,24 +284,38 @@ def main(argv: list[str] | None = None) -> None:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    engine_config = EngineConfig(
+        device=device.type,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=8192,
+        max_model_len=max_len,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=0.6,
+    )
     if "coxswain" in systems:
         t = time.perf_counter()
-        engine = LLMEngine(
-            args.model,
-            EngineConfig(
-                device=device.type,
-                dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                max_num_seqs=max(batches),
-                max_num_batched_tokens=8192,
-                max_model_len=max_len,
-                enable_prefix_caching=False,
-                enforce_eager=args.enforce_eager,
-                gpu_memory_utilization=0.6,
-            ),
-        )
+        engine = LLMEngine(args.model, engine_config)
         print(f"coxswain engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
         for b in batches:
             results["coxswain"][b] = bench_coxswain(engine, prompts[b], args.steps)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    parallel = f"tp{args.tp}pp{args.pp}"
+    if args.tp * args.pp > 1:  # the replica's ranks are processes of their own
+        systems.append(parallel)
+        t = time.perf_counter()
+        results[parallel] = launch_local(
+            str(args.model),
+            args.tp,
+            args.pp,
+            functools.partial(bench_replica, {b: prompts[b] for b in batches}, args.steps),
+            engine_config=engine_config,
+            device_type=device.type,
+        )
+        print(f"{parallel} replica measured in {time.perf_counter() - t:.1f} s")
 
     ceiling = results.get("ceiling", {})
     print(f"\ndecode at context {args.context}, {args.steps} steps; ratio = tok/s ÷ ceiling")
@@ -304,6 +331,10 @@ def main(argv: list[str] | None = None) -> None:
             ratio = f" ({row[b] / ceiling[b]:.2f}×)" if b in ceiling else ""
             cells.append(f"{row[b]:>9,.0f} tok/s {ms:6.2f} ms{ratio:>8}")
         print(f"{name:<10}" + "".join(cells))
+    one, many = results.get("coxswain", {}), results.get(parallel, {})
+    if one and many:
+        ratios = ", ".join(f"batch {b} {many[b] / one[b]:.2f}×" for b in batches)
+        print(f"{parallel} ÷ one process: {ratios}")
     if args.json:
         args.json.write_text(json.dumps({"roofline": roof, **results}, indent=1))
 
