@@ -68,7 +68,9 @@ class EngineConfig:
     # Pinned host rows (each 3 x layers x hidden in the model dtype) reserved at start on
     # CUDA for those copies: a captured row holds one until its request is delivered, and
     # a step whose rows do not fit page-locks a fresh block (milliseconds per step; counted
-    # in stats, warned once). None: 8 steps of `graph_capture_rows`.
+    # in stats, warned once). None: 2 steps of `graph_capture_rows`, enough for captures of
+    # a request's last token; pinned memory cannot be swapped out, so a job capturing every
+    # token sizes it to what its running requests hold.
     capture_host_rows: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).

@@ -137,7 +137,7 @@ class LLMEngine:
             capture_rows=capture_rows,
             hidden=self.model_config.hidden_size,
             dtype=self.dtype,
-            host_rows=8 * capture_rows if cfg.capture_host_rows is None else cfg.capture_host_rows,
+            host_rows=2 * capture_rows if cfg.capture_host_rows is None else cfg.capture_host_rows,
         )
         if not cfg.enforce_eager and self.runner.can_use_graphs():
             steer_sites = frozenset(
