@@ -12,6 +12,8 @@ from typing import Any
 
 import uvicorn
 
+from tests.local_ray import start_local_ray
+
 
 @contextmanager
 def serve_asgi(app, timeout_s: float = 30.0) -> Iterator[str]:
@@ -59,13 +61,7 @@ def serve_app_cluster(
     from services.gateway.serve_app import build_app
 
     with RedisServer(password=redis_password) as redis:
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            namespace="coxswain",
-            log_to_driver=False,
-        )
+        start_local_ray(num_cpus=num_cpus, namespace="coxswain")
         try:
             http_port, grpc_port = free_port(), free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": http_port})

@@ -18,6 +18,7 @@ import torch
 from services.common.wire import unpack_tensor
 from services.engine import LLM, SamplingParams
 from services.engine.sweep import Sweep, SweepSpec
+from tests.local_ray import start_local_ray
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -59,13 +60,7 @@ def cluster(model, tmp_path_factory, redis_server):
 
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(f"{ADMIN}\n{READER}\n")
-    ray.init(
-        address="local",  # never a `coxswain up` cluster running beside the tests
-        num_cpus=8,
-        include_dashboard=False,
-        namespace="coxswain",
-        log_to_driver=False,
-    )
+    start_local_ray(num_cpus=8, namespace="coxswain")
     http_port, grpc_port = _free_port(), _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     args = {

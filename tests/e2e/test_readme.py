@@ -37,6 +37,8 @@ from typing import Any
 
 import pytest
 
+from tests.local_ray import start_local_ray
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 FENCE = re.compile(r"^```(\S*)\s*$")
 MARK = re.compile(r"^<!--\s*readme-test:\s*(\w+)\s*(?:\((.+)\))?\s*-->\s*$")
@@ -149,7 +151,6 @@ class Cluster:
     def start(self) -> dict[str, str]:
         if self.info is not None:
             return self.info
-        import ray
         from ray import serve
 
         from services.common.net import free_port
@@ -161,13 +162,7 @@ class Cluster:
         keys.chmod(0o600)
         self.redis = RedisServer(password=secrets.token_hex(16)).start()  # as `up` starts it
         self.ray_started = True
-        ray.init(
-            address="local",
-            num_cpus=4,
-            include_dashboard=False,
-            namespace="coxswain",
-            log_to_driver=False,
-        )
+        start_local_ray(num_cpus=4, namespace="coxswain")
         http_port, grpc_port = free_port(), free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         args = {

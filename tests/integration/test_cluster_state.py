@@ -23,6 +23,7 @@ from services.cluster.state import (
 from services.common.errors import ServiceUnavailableError
 from services.controller.redis_server import RedisServer
 from services.engine.service import EngineService
+from tests.local_ray import start_local_ray
 
 ENGINE = {"device": "cpu", "dtype": "float32"}
 H = 64  # the tiny llama's hidden size
@@ -179,7 +180,7 @@ def _kill(ray, store: ActorStore, no_restart: bool) -> None:
 
 def test_the_actor_store_is_restartable_and_reseeded_by_the_replicas(model):
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=1)
     try:
         store = ActorStore()
         a = Replica(model, store, "a")

@@ -14,6 +14,7 @@ import pytest
 from services.common.net import free_port
 from services.controller.redis_server import RedisServer
 from services.engine.outputs import OutputAccumulator
+from tests.local_ray import start_local_ray
 
 ray = pytest.importorskip("ray")
 
@@ -24,11 +25,8 @@ BUFFER = 2
 @pytest.fixture(scope="module")
 def metrics_port():
     port = free_port("127.0.0.1")
-    ray.init(
-        address="local",
+    start_local_ray(
         num_cpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
         _metrics_export_port=port,
         _system_config={"metrics_report_interval_ms": 500},
     )

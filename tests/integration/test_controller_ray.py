@@ -13,6 +13,7 @@ from services.controller.messages import READOUT_STREAM, ReadoutEntry, decode_ac
 from services.controller.redis_server import RedisServer
 from services.engine.interventions.actions import RequestSteeringOverride
 from tests.integration.test_controller import wait_for
+from tests.local_ray import start_local_ray
 
 ray = pytest.importorskip("ray")
 
@@ -27,7 +28,7 @@ LATCH = {
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=1)
     yield
     ray.shutdown()
 

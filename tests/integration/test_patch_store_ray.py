@@ -15,6 +15,7 @@ from services.common.auth import ApiKey, ApiKeys
 from services.common.errors import RunNotFoundError, UnauthenticatedError, http_status
 from services.patch_store.actor import actor_target, start_patch_store_actor
 from services.patch_store.client import PatchStoreClient
+from tests.local_ray import start_local_ray
 from tests.serving import serve_asgi
 
 ray = pytest.importorskip("ray")
@@ -27,13 +28,7 @@ PROMPT = [17, 250, 33, 401, 98, 12, 77, 305, 150, 61]
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace=NAMESPACE,
-    )
+    start_local_ray(num_cpus=2, namespace=NAMESPACE)
     yield
     ray.shutdown()
 

@@ -20,6 +20,7 @@ from services.common.errors import (
     http_status,
     unwrap_ray_error,
 )
+from tests.local_ray import start_local_ray
 
 ray = pytest.importorskip("ray")
 
@@ -28,7 +29,7 @@ LEAKS = re.compile(r"RayTaskError|Traceback|\x1b\[|pid=|ip=|\d+\.\d+\.\d+\.\d+|\
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=1)
     yield
     ray.shutdown()
 
