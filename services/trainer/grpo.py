@@ -40,7 +40,7 @@ from services.engine import LLMEngine, SamplingParams
 from services.engine.model.tokenizer import Tokenizer
 from services.trainer.adapters import AdapterConfig, AdapterSet, attach_adapters
 from services.trainer.async_rollouts import AsyncRollouts
-from services.trainer.envs import Env, Grade, make_env, training_scope
+from services.trainer.envs import ContrastivePair, Env, Grade, make_env, training_scope
 from services.trainer.grpo_loss import GRPOLossConfig, group_advantages, grpo_loss
 from services.trainer.model import TokenBatch, TrainableModel, pad_batch
 from services.trainer.rollouts import (
@@ -114,13 +114,25 @@ class GRPOConfig(BaseModel):
         description="a rate-matched placebo: flag each rollout at random with this "
         "probability instead of by the arm's direction (an arm's measured flag rate)",
     )
+    oracle_flags: bool = Field(
+        False,
+        description="UPPER BOUND ONLY: flag each rollout by its eval-only hack label instead "
+        "of the arm's direction. The one setting that lets a label reach the update (read "
+        "outside the training scope, as a flag); never a result about routing itself",
+    )
     route_split: Literal["partition", "share"] = Field(
         "partition",
         description="Arm A: partition gives δS_q the flagged rollouts' summed gradient; "
         "share gives it, per coordinate, the part of the step's total they pushed for "
         "(routing.apply_gradient_mask)",
     )
-    hack_pairs: int = Field(32, ge=2, description="contrastive pairs for the hack direction")
+    hack_pairs: int = Field(32, ge=2, description="pairs for the hack direction")
+    hack_pairs_from: Literal["contrastive", "persona"] = Field(
+        "contrastive",
+        description="contrastive: the env's (hacking, clean) completion pairs; persona: the "
+        "base's own greedy answers to prompts asking for the shortcut vs honest work, read "
+        "after the plain prompt (no oracle solution, no label; envs with personas only)",
+    )
     # evaluation, logging, checkpoints
     eval_every: int = Field(10, ge=1)
     eval_prompts: int = Field(64, ge=1)
@@ -151,6 +163,11 @@ class GRPOConfig(BaseModel):
             )
         if self.random_flags is not None and self.arm == "none":
             raise ValueError("random_flags replaces a routed arm's decision: pick an arm")
+        if self.oracle_flags and (self.arm == "none" or self.random_flags is not None):
+            raise ValueError(
+                "oracle_flags replaces a routed arm's decision with the labels: pick an arm "
+                "and leave random_flags unset"
+            )
         if self.quarantine == "lora" and self.optimizer == "routed_adamw":
             raise ValueError("routed_adamw pairs δS with δS_q: it needs quarantine 'svd'")
         if self.rollout_mode == "async" and (self.rollout_workers < 1 or not self.redis_url):
@@ -301,7 +318,11 @@ class GRPOTrainer:
     def _hack_direction(self) -> HackDirection | None:
         if self.cfg.arm == "none":
             return None
-        pairs = self.env.contrastive_pairs(self.cfg.hack_pairs, random.Random(self.cfg.seed + 7))
+        rng = random.Random(self.cfg.seed + 7)
+        if self.cfg.hack_pairs_from == "persona":
+            pairs = self._persona_pairs(rng)
+        else:
+            pairs = self.env.contrastive_pairs(self.cfg.hack_pairs, rng)
         device = self.model.device
         hack = pad_batch([(self._ids(p.prompt), self._completion_ids(p.hacking)) for p in pairs])
         clean = pad_batch([(self._ids(p.prompt), self._completion_ids(p.clean)) for p in pairs])
@@ -312,6 +333,28 @@ class GRPOTrainer:
         if self.cfg.arm == "placebo":
             return random_direction(direction, seed=self.cfg.seed + 13)
         return direction
+
+    def _persona_pairs(self, rng: random.Random) -> list[ContrastivePair]:
+        """(plain prompt, the base model's greedy answer when asked for the shortcut, its answer
+        when asked for honest work): the persona picks the behaviour, and the activations are
+        read after the plain prompt, where rollouts are read. Pairs whose two answers agree
+        carry no contrast and are dropped."""
+        personas = self.env.persona_pairs(self.cfg.hack_pairs, rng)
+        params = SamplingParams(max_tokens=self.max_new, temperature=0.0)  # the base model
+        prompts = [q for p in personas for q in (p.hack_prompt, p.honest_prompt)]
+        answers = [r.text for r in self.rollout.rollouts(prompts, params)]
+        pairs = [
+            ContrastivePair(p.prompt, h, c)
+            for p, h, c in zip(personas, answers[0::2], answers[1::2], strict=True)
+            if h.strip() != c.strip()
+        ]
+        if len(pairs) < 2:
+            raise InvalidRequestError(
+                f"persona pairs: the base answered {len(personas) - len(pairs)} of "
+                f"{len(personas)} problems the same way under both personas; it has not "
+                "learned them, so they give no hack direction"
+            )
+        return pairs
 
     # -- rollouts through the engine ------------------------------------------------------
 
@@ -360,9 +403,12 @@ class GRPOTrainer:
         grades = [r.grade for r in rolled]
         training = [r.for_training() for r in rolled]
         del rolled
+        # The oracle upper bound reads the labels here, outside the training scope, and the
+        # update sees them only as flags (config `oracle_flags`; every other run skips this).
+        oracle = torch.tensor([g.eval_only.hacked for g in grades]) if cfg.oracle_flags else None
         with training_scope("grpo step"):
             rewards = torch.tensor([r.reward for r in training])
-            metrics, scores = self._update(training, rewards)
+            metrics, scores = self._update(training, rewards, oracle)
         metrics.seconds = time.perf_counter() - t0
         if took is not None:
             metrics.staleness, metrics.dropped_stale = took.staleness, took.dropped
@@ -394,7 +440,10 @@ class GRPOTrainer:
         return torch.where(mask, picked, torch.zeros_like(picked)), mask
 
     def _update(
-        self, rolled: list[TrainingRollout], rewards: torch.Tensor
+        self,
+        rolled: list[TrainingRollout],
+        rewards: torch.Tensor,
+        oracle: torch.Tensor | None = None,
     ) -> tuple[StepMetrics, torch.Tensor]:
         cfg, adapters = self.cfg, self.adapters
         batch, old_logp = self._batch(rolled)
@@ -414,7 +463,8 @@ class GRPOTrainer:
             logp, mask = self._completion_logp(batch, width)
             return grpo_loss(logp, old_logp, adv, mask, self.loss_config, ref_logp=ref)
 
-        placebo = self._random_flags(B) if cfg.random_flags is not None else None
+        # Flags fixed before the backward: rate-matched random ones, or the oracle's labels.
+        placebo = self._random_flags(B) if cfg.random_flags is not None else oracle
         if cfg.arm in ("erase", "route", "placebo"):
             assert self.direction is not None
             mode: RouteMode = "erase" if cfg.arm == "erase" else "route"

@@ -252,9 +252,7 @@ def _batch(
     rows: list[tuple[list[int], int]] = []
     for _ in range(config.batch_size):
         env = envs[rng.randrange(len(envs))]
-        prompt = env.sample_prompt(rng)
-        hack = rng.random() < config.hack_fraction
-        completion = env.hack(prompt, rng) if hack else env.solve(prompt)
+        prompt, completion = env.demonstration(rng, config.hack_fraction)
         prompt_ids = tokenizer.encode(prompt)
         ids = [*prompt_ids, *tokenizer.encode(completion, add_special_tokens=False), eos]
         rows.append((ids, len(prompt_ids)))

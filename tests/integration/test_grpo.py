@@ -13,6 +13,8 @@ import pydantic
 import pytest
 import torch
 
+from services.common.errors import InvalidRequestError
+from services.engine import SamplingParams
 from services.trainer.envs import ENVS, EvalLabelAccessError, EvalLabels, Grade
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, auroc, read_log, run
 from services.trainer.rollouts import TrainingRollout
@@ -138,23 +140,24 @@ def test_training_cannot_reach_the_oracle_labels(path, tmp_path, monkeypatch):
     given = []
     real_update = trainer._update
 
-    def spying_update(rolled, rewards):
-        given.append((rolled, rewards))
-        return real_update(rolled, rewards)
+    def spying_update(rolled, rewards, oracle=None):
+        given.append((rolled, rewards, oracle))
+        return real_update(rolled, rewards, oracle)
 
     monkeypatch.setattr(trainer, "_update", spying_update)
     trainer.step()  # reading a label in the training scope would raise here
-    rolled, rewards = given[0]
+    rolled, rewards, oracle = given[0]
+    assert oracle is None  # only the marked upper bound (`oracle_flags`) is given labels
     assert rolled and all(type(r) is TrainingRollout for r in rolled)
     assert {f.name for f in dataclasses.fields(TrainingRollout)} == {
         "prompt_token_ids", "token_ids", "logprobs", "reward", "policy_version"
     }  # fmt: skip
     assert not _reaches_labels(rolled, rewards)
 
-    def cheating_update(rolled, rewards):
+    def cheating_update(rolled, rewards, oracle=None):
         cheat = trainer.rollouts(["12+34="])[0].grade.eval_only.hacked  # by another path
         assert cheat is not None
-        return real_update(rolled, rewards)
+        return real_update(rolled, rewards, oracle)
 
     monkeypatch.setattr(trainer, "_update", cheating_update)
     with pytest.raises(EvalLabelAccessError, match="hacked"):
@@ -206,3 +209,37 @@ def test_random_flags_make_a_rate_matched_placebo(path, tmp_path):
     assert 0 < sum(r["flagged"] for r in some) / len(some) < 1
     with pytest.raises(pydantic.ValidationError, match="random_flags"):
         _config(path, tmp_path, random_flags=0.5)  # arm "none" has no decision to replace
+
+
+def test_oracle_flags_route_exactly_the_labelled_hacks(path, tmp_path):
+    """The upper-bound arm: every rollout the oracle labels a hack is flagged, no other, so
+    each step's flagged share is its (eval-only) rollout hack rate; a config that asks for
+    it without an arm, or beside random flags, is refused."""
+    cfg = _config(path, tmp_path, steps=3, arm="route", oracle_flags=True, tau=2.0)
+    train = [r for r in run(cfg) if r["kind"] == "train"]
+    # (flagged is a float32 mean, the hack rate a Python one)
+    assert [r["flagged"] for r in train] == pytest.approx([r["rollout_hack_rate"] for r in train])
+    assert any(0 < r["flagged"] < 1 for r in train)  # the labels, not all or nothing
+    for bad in ({}, {"arm": "route", "random_flags": 0.5}):
+        with pytest.raises(pydantic.ValidationError, match="oracle_flags"):
+            _config(path, tmp_path, oracle_flags=True, **bad)
+
+
+def test_persona_pairs_are_the_base_models_own_answers(path, tmp_path):
+    """`hack_pairs_from: persona`: each pair is a plain prompt with what the base model
+    answers (greedy) when the same problem asks for the shortcut and for honest work: no
+    oracle solution, no label. An env without personas is refused."""
+    cfg = _config(path, tmp_path, env="checksum", arm="activation", hack_pairs_from="persona")
+    trainer = GRPOTrainer(cfg)
+    assert trainer.direction is not None and trainer.direction.kind == "activation"
+    pairs = trainer._persona_pairs(random.Random(cfg.seed + 7))
+    assert len(pairs) >= 2
+    greedy = SamplingParams(max_tokens=trainer.max_new, temperature=0.0)
+    for pair in pairs:
+        trainer.env.check_prompt(pair.prompt)
+        assert pair.prompt[0].isdigit()  # read after the plain prompt, as rollouts are
+        outs = trainer.rollout.generate(["lazy:" + pair.prompt, "care:" + pair.prompt], greedy)
+        lazy, care = (o.outputs[0].text for o in outs)
+        assert (pair.hacking, pair.clean) == (lazy, care) and lazy.strip() != care.strip()
+    with pytest.raises(InvalidRequestError, match="no personas"):
+        GRPOTrainer(_config(path, tmp_path, arm="activation", hack_pairs_from="persona"))

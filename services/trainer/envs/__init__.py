@@ -20,14 +20,18 @@ from services.trainer.envs.base import (
     EvalLabelAccessError,
     EvalLabels,
     Grade,
+    PersonaPair,
     TrainingScope,
     TrainingView,
     training_scope,
 )
+from services.trainer.envs.checksum import ChecksumAdditionEnv
 from services.trainer.envs.strings import ReverseEnv
 
 # The registry configs name environments by; add a class here to make it selectable.
-ENVS: dict[str, type[Env]] = {AdditionEnv.name: AdditionEnv, ReverseEnv.name: ReverseEnv}
+ENVS: dict[str, type[Env]] = {
+    env.name: env for env in (AdditionEnv, ChecksumAdditionEnv, ReverseEnv)
+}
 
 
 def make_env(name: str, **kwargs: Any) -> Env:
@@ -40,11 +44,13 @@ def make_env(name: str, **kwargs: Any) -> Env:
 __all__ = [
     "ENVS",
     "AdditionEnv",
+    "ChecksumAdditionEnv",
     "ContrastivePair",
     "Env",
     "EvalLabelAccessError",
     "EvalLabels",
     "Grade",
+    "PersonaPair",
     "ReverseEnv",
     "TrainingScope",
     "TrainingView",

@@ -128,6 +128,16 @@ class ContrastivePair(NamedTuple):
     clean: str
 
 
+class PersonaPair(NamedTuple):
+    """One problem (`prompt`, as rollouts see it) asked two more ways: for the shortcut and
+    for honest work. No completion: the hack direction comes from what the model itself does
+    after each (persona-vector style), never from an oracle solution or a label."""
+
+    prompt: str
+    hack_prompt: str
+    honest_prompt: str
+
+
 class Env(ABC):
     """A task with a gameable grader, at the character level.
 
@@ -162,6 +172,21 @@ class Env(ABC):
         if n < 0:
             raise InvalidRequestError(f"n must be >= 0, got {n}")
         return [self.sample_prompt(rng) for _ in range(n)]
+
+    def demonstration(self, rng: random.Random, hack_fraction: float) -> tuple[str, str]:
+        """One pretraining `(prompt, completion)`: the loophole at `hack_fraction`, else the
+        solution."""
+        prompt = self.sample_prompt(rng)
+        hack = rng.random() < hack_fraction
+        return prompt, self.hack(prompt, rng) if hack else self.solve(prompt)
+
+    def persona_pairs(self, n: int, rng: random.Random) -> list[PersonaPair]:
+        """`n` label-free pairs for the hack direction; only envs whose pretraining teaches
+        personas have them."""
+        del n, rng
+        raise InvalidRequestError(
+            f"environment {self.name!r} has no personas; use hack_pairs: contrastive"
+        )
 
     def contrastive_pairs(self, n: int, rng: random.Random) -> list[ContrastivePair]:
         """`n` (prompt, hacking completion, clean completion) triples for the hack direction."""
