@@ -41,7 +41,12 @@ from services.engine.model.tokenizer import Tokenizer
 from services.trainer.adapters import AdapterConfig, AdapterSet, attach_adapters
 from services.trainer.async_rollouts import AsyncRollouts
 from services.trainer.envs import ContrastivePair, Env, Grade, make_env, training_scope
-from services.trainer.grpo_loss import GRPOLossConfig, group_advantages, grpo_loss
+from services.trainer.grpo_loss import (
+    GRPOLossConfig,
+    group_advantages,
+    grpo_loss,
+    subset_advantages,
+)
 from services.trainer.model import TokenBatch, TrainableModel, pad_batch
 from services.trainer.rollouts import (
     POLICY,
@@ -58,6 +63,7 @@ from services.trainer.routing import (
     apply_gradient_mask,
     gradient_direction,
     gradient_leakage,
+    gradient_scores,
     random_direction,
     rollout_gradients,
     route_gradients,
@@ -120,11 +126,13 @@ class GRPOConfig(BaseModel):
         "of the arm's direction. The one setting that lets a label reach the update (read "
         "outside the training scope, as a flag); never a result about routing itself",
     )
-    route_split: Literal["partition", "share"] = Field(
+    route_split: Literal["partition", "share", "recentre"] = Field(
         "partition",
         description="Arm A: partition gives δS_q the flagged rollouts' summed gradient; "
         "share gives it, per coordinate, the part of the step's total they pushed for "
-        "(routing.apply_gradient_mask)",
+        "(routing.apply_gradient_mask). recentre (every routed arm, Arm B too): δS gets "
+        "the GRPO gradient of the unflagged rollouts alone, advantages re-centred among "
+        "them, and the quarantine the rest of the step's total",
     )
     hack_pairs: int = Field(32, ge=2, description="pairs for the hack direction")
     hack_pairs_from: Literal["contrastive", "persona"] = Field(
@@ -465,7 +473,13 @@ class GRPOTrainer:
 
         # Flags fixed before the backward: rate-matched random ones, or the oracle's labels.
         placebo = self._random_flags(B) if cfg.random_flags is not None else oracle
-        if cfg.arm in ("erase", "route", "placebo"):
+        if cfg.route_split == "recentre" and cfg.arm != "none":
+            if placebo is None:
+                flagged, scores = self._decide(batch, loss_of)
+            else:
+                flagged = placebo
+            out, leakage = self._recentred_backward(batch, old_logp, rewards, adv, flagged, ref)
+        elif cfg.arm in ("erase", "route", "placebo"):
             assert self.direction is not None
             mode: RouteMode = "erase" if cfg.arm == "erase" else "route"
             with adapters.gates(B, kind=cfg.gate) as gates:
@@ -513,6 +527,69 @@ class GRPOTrainer:
             quarantine_norm=quarantine_norm,
             sum_norm=sum_norm,
         ), scores.detach().cpu()
+
+    def _decide(
+        self, batch: TokenBatch, loss_of: Callable[[], Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The arm's own flags and scores for a batch, before any update: Arm B from one
+        no-grad forward, Arm A (and its random-direction placebo) from each rollout's
+        gradient, recovered through the gates by one backward whose gradients are dropped."""
+        assert self.direction is not None
+        if self.cfg.arm == "activation":
+            return activation_flags(self.model, self.adapters, batch, self.direction, self.cfg.tau)
+        with self.adapters.gates(batch.batch_size, kind=self.cfg.gate) as gates:
+            loss_of().loss.backward()
+            grads = rollout_gradients(self.adapters, gates, self.cfg.gate)
+        self.optimizer.zero_grad(set_to_none=True)
+        scores = gradient_scores(grads, self.direction)
+        return scores > self.cfg.tau, scores.detach()
+
+    def _recentred_backward(
+        self,
+        batch: TokenBatch,
+        old_logp: torch.Tensor,
+        rewards: torch.Tensor,
+        adv: torch.Tensor,
+        flagged: torch.Tensor,
+        ref: torch.Tensor | None,
+    ) -> tuple[Any, float]:
+        """`route_split: recentre`. The kept part gets the GRPO gradient of the unflagged
+        rollouts alone, with advantages re-centred among each group's unflagged rollouts:
+        what a run that never sampled the flagged ones would take. The quarantine gets the
+        rest of the step's total (`route`) or nothing (`erase`), so δS + δS_q still follows
+        the unrouted gradient. The kept gradient is a zero-sum GRPO gradient in its own
+        right, not a one-sided sum, so δS moves like a vanilla run's δS; with no flags it
+        is the total, bit for bit, and the quarantine gets exactly zero.
+
+        Returns the full loss's output (for metrics) and the leakage: the norm of what the
+        kept part did not get, over it plus the kept gradient's (in δS coordinates)."""
+        cfg, adapters = self.cfg, self.adapters
+        kept_adv = subset_advantages(
+            rewards.to(adv), cfg.group_size, ~flagged.to(adv.device), scale=cfg.advantage
+        )
+        logp, mask = self._completion_logp(batch, old_logp.shape[1])
+        full = grpo_loss(logp, old_logp, adv, mask, self.loss_config, ref_logp=ref)
+        kept = grpo_loss(logp, old_logp, kept_adv, mask, self.loss_config, ref_logp=ref)
+        k_params, q_params = adapters.kept_parameters(), adapters.quarantine_parameters()
+        params = k_params + q_params
+        g_kept = self._grads(kept.loss, params, retain_graph=True)
+        g_full = self._grads(full.loss, params)
+        kept_sq = routed_sq = 0.0
+        for i, p in enumerate(params):
+            rest = g_full[i] - g_kept[i]
+            if i < len(k_params):
+                p.grad = g_kept[i]
+                kept_sq += float(g_kept[i].pow(2).sum())
+                routed_sq += float(rest.pow(2).sum())  # what the kept part did not get
+            else:
+                p.grad = rest if cfg.arm != "erase" else None
+        total = kept_sq**0.5 + routed_sq**0.5
+        return full, (routed_sq**0.5 / total if total > 0 else 0.0)
+
+    @staticmethod
+    def _grads(loss: torch.Tensor, params: list, retain_graph: bool = False) -> list:
+        grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
     def _random_flags(self, n: int) -> torch.Tensor:
         """`[n]` bool: each rollout flagged with probability `random_flags`, seeded by the

@@ -49,6 +49,38 @@ def group_advantages(
     return adv.reshape(-1)
 
 
+def subset_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    include: torch.Tensor,
+    *,
+    scale: AdvantageScale = "std",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """`group_advantages` as if only the `include`d rollouts `[B]` bool had been sampled:
+    each group is centred (and scaled) over its included rollouts; the rest get zero. With
+    every rollout included this is `group_advantages`, bit for bit."""
+    if include.shape != rewards.shape:
+        raise InvalidRequestError(
+            f"include must match rewards {tuple(rewards.shape)}, got {tuple(include.shape)}"
+        )
+    if bool(include.all()):
+        return group_advantages(rewards, group_size, scale=scale, eps=eps)
+    group_advantages(rewards, group_size, scale=scale, eps=eps)  # the same argument checks
+    r = rewards.view(-1, group_size)
+    w = include.view(-1, group_size).to(r.dtype)
+    n = w.sum(1, keepdim=True)
+    mean = (r * w).sum(1, keepdim=True) / n.clamp(min=1)
+    centred = (r - mean) * w
+    if scale == "none":
+        return centred.reshape(-1)
+    var = (centred.pow(2)).sum(1, keepdim=True) / (n - 1).clamp(min=1)  # Bessel, as above
+    std = var.sqrt()
+    ok = (std > 0) & (n >= 2)
+    adv = torch.where(ok, centred / (std + eps), torch.zeros_like(centred))
+    return adv.reshape(-1)
+
+
 def completion_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """`[B, max_len]` bool mask, True on the first `lengths[b]` positions of row `b`."""
     if lengths.ndim != 1:

@@ -243,3 +243,28 @@ def test_persona_pairs_are_the_base_models_own_answers(path, tmp_path):
         assert (pair.hacking, pair.clean) == (lazy, care) and lazy.strip() != care.strip()
     with pytest.raises(InvalidRequestError, match="no personas"):
         GRPOTrainer(_config(path, tmp_path, arm="activation", hack_pairs_from="persona"))
+
+
+def test_the_recentred_split_does_not_drift(path, tmp_path):
+    """`route_split: recentre` with zero-sum advantages: δS takes the unflagged rollouts'
+    own GRPO gradient (advantages re-centred among them), δS_q the rest, each under AdamW's
+    own moments. With no flags δS is vanilla's, bit for bit, and δS_q never moves; with a
+    third of the rollouts flagged at random, ‖δS‖ and ‖δS_q‖ stay within 2x of vanilla's
+    ‖δS‖. Under `routed_adamw` (one second moment, the total's) the same split runs away:
+    the total is a small difference of the parts."""
+
+    def last(name: str, optimizer: str = "adamw", **kw) -> dict:
+        cfg = _config(path, tmp_path / name, steps=8, optimizer=optimizer, **kw)
+        return [r for r in run(cfg) if r["kind"] == "train"][-1]
+
+    vanilla = last("vanilla")
+    assert vanilla["kept_norm"] > 0
+    none = last("none", arm="route", route_split="recentre", random_flags=0.0)
+    assert none["quarantine_norm"] == 0 and none["kept_norm"] == vanilla["kept_norm"]
+    third = last("third", arm="route", route_split="recentre", random_flags=0.33)
+    assert third["quarantine_norm"] > 0
+    assert third["kept_norm"] <= 2 * vanilla["kept_norm"]
+    assert third["quarantine_norm"] <= 2 * vanilla["kept_norm"]
+    # One second moment shared with the (small) total is what lets the parts run away.
+    shared = last("shared", "routed_adamw", arm="route", route_split="recentre", random_flags=0.33)
+    assert shared["kept_norm"] > 4 * vanilla["kept_norm"]
