@@ -4,8 +4,9 @@ The tests must never touch a Ray cluster the user has running (the README's orde
 demo`, which leaves `coxswain up`'s cluster up, then `make test`). `ray.init()` without an
 address attaches to the last `ray start` cluster on the host or to `RAY_ADDRESS`, so every
 test starts its own Ray through `tests.local_ray.start_local_ray`, which says
-`address="local"` (tests/unit/test_isolation.py checks that nothing else calls `ray.init`), and the session drops `RAY_ADDRESS` so that no subprocess a test starts
-(the `coxswain` CLI, a trainer) inherits it. Ray's implicit `ray.init()` on a first `.remote()`
+`address="local"` (tests/unit/test_isolation.py checks that nothing else calls `ray.init`),
+and the session drops `RAY_ADDRESS` so that no subprocess a test starts (the `coxswain`
+CLI, a trainer) inherits it. Ray's implicit `ray.init()` on a first `.remote()`
 is switched off for the same reason: a test that forgets to start Ray fails rather than
 attaching to whatever is running.
 """

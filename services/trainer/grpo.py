@@ -48,6 +48,7 @@ from services.trainer.grpo_loss import (
     subset_advantages,
 )
 from services.trainer.model import TokenBatch, TrainableModel, pad_batch
+from services.trainer.probe import HackProbe, extract_probe
 from services.trainer.rollouts import (
     POLICY,
     RayRollouts,
@@ -141,6 +142,20 @@ class GRPOConfig(BaseModel):
         "base's own greedy answers to prompts asking for the shortcut vs honest work, read "
         "after the plain prompt (no oracle solution, no label; envs with personas only)",
     )
+    probe_layer: int | None = Field(
+        None,
+        ge=0,
+        description="extract a residual-stream hack probe from the hack pairs at this layer "
+        "(probe.py): registered in the rollout engine as 'hack', written to hack_probe.json, "
+        "its monitor AUROC reported at each evaluation",
+    )
+    probe_site: Literal["pre_attn", "post_attn", "post_block"] = "post_block"
+    activation_space: Literal["adapter", "residual"] = Field(
+        "adapter",
+        description="Arm B's flags: adapter (pooled x·V against the adapter-space direction) "
+        "or residual (the hack probe's read-outs while sampling: one direction at train "
+        "and serve time; needs probe_layer and in-process rollouts)",
+    )
     # evaluation, logging, checkpoints
     eval_every: int = Field(10, ge=1)
     eval_prompts: int = Field(64, ge=1)
@@ -178,6 +193,15 @@ class GRPOConfig(BaseModel):
             )
         if self.quarantine == "lora" and self.optimizer == "routed_adamw":
             raise ValueError("routed_adamw pairs δS with δS_q: it needs quarantine 'svd'")
+        if self.activation_space == "residual" and (
+            self.probe_layer is None or self.rollout_workers or self.arm != "activation"
+        ):
+            raise ValueError(
+                "activation_space 'residual' flags Arm B ('activation') rollouts by the hack "
+                "probe's read-outs: set probe_layer, with in-process rollouts (rollout_workers 0)"
+            )
+        if self.probe_layer is not None and self.rollout_workers:
+            raise ValueError("probe_layer reads the probe in the in-process rollout engine")
         if self.rollout_mode == "async" and (self.rollout_workers < 1 or not self.redis_url):
             raise ValueError(
                 "rollout_mode 'async' needs rollout_workers >= 1 and a redis_url "
@@ -289,11 +313,25 @@ class GRPOTrainer:
             aggregation=cfg.aggregation,
             const_len=self.max_new,
         )
+        needs_pairs = cfg.arm != "none" or cfg.probe_layer is not None
+        self.pairs = self._hack_pairs() if needs_pairs else []
+        self.probe: HackProbe | None = None
+        if cfg.probe_layer is not None:
+            self.probe = extract_probe(
+                self.rollout.generate,
+                self.tokenizer,
+                self.pairs,
+                layer=cfg.probe_layer,
+                site=cfg.probe_site,
+            )
+            self.engine.vectors.register(self.probe.name, self.probe.vector, overwrite=True)
         self.direction = self._hack_direction()
         self.eval_set = self.env.sample_prompts(cfg.eval_prompts, random.Random(cfg.seed + 10**6))
         self.step_index = 0
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        if self.probe is not None:
+            self.probe.save(self.out)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         params = self.adapters.kept_parameters() + self.adapters.quarantine_parameters()
@@ -323,14 +361,16 @@ class GRPOTrainer:
         eos = self.tokenizer.eos_token_id
         return self._ids(text) + ([eos] if eos is not None else [])
 
+    def _hack_pairs(self) -> list[ContrastivePair]:
+        rng = random.Random(self.cfg.seed + 7)
+        if self.cfg.hack_pairs_from == "persona":
+            return self._persona_pairs(rng)
+        return self.env.contrastive_pairs(self.cfg.hack_pairs, rng)
+
     def _hack_direction(self) -> HackDirection | None:
         if self.cfg.arm == "none":
             return None
-        rng = random.Random(self.cfg.seed + 7)
-        if self.cfg.hack_pairs_from == "persona":
-            pairs = self._persona_pairs(rng)
-        else:
-            pairs = self.env.contrastive_pairs(self.cfg.hack_pairs, rng)
+        pairs = self.pairs
         device = self.model.device
         hack = pad_batch([(self._ids(p.prompt), self._completion_ids(p.hacking)) for p in pairs])
         clean = pad_batch([(self._ids(p.prompt), self._completion_ids(p.clean)) for p in pairs])
@@ -391,6 +431,7 @@ class GRPOTrainer:
             logprobs=0,
             seed=self.cfg.seed * 1_000_003 + self.step_index,
             adapter=POLICY,
+            readouts=[self.probe.readout()] if self.probe is not None else None,
         )
         return self.rollout.rollouts(prompts, params)
 
@@ -475,7 +516,7 @@ class GRPOTrainer:
         placebo = self._random_flags(B) if cfg.random_flags is not None else oracle
         if cfg.route_split == "recentre" and cfg.arm != "none":
             if placebo is None:
-                flagged, scores = self._decide(batch, loss_of)
+                flagged, scores = self._decide(batch, rolled, loss_of)
             else:
                 flagged = placebo
             out, leakage = self._recentred_backward(batch, old_logp, rewards, adv, flagged, ref)
@@ -497,7 +538,9 @@ class GRPOTrainer:
                     leakage = apply_gradient_mask(adapters, grads, flagged, mode, cfg.route_split)
         elif cfg.arm == "activation":
             assert self.direction is not None
-            if placebo is None:
+            if placebo is None and cfg.activation_space == "residual":
+                flagged, scores = self._probe_flags(rolled)
+            elif placebo is None:
                 flagged, scores = activation_flags(
                     self.model, adapters, batch, self.direction, cfg.tau
                 )
@@ -528,14 +571,23 @@ class GRPOTrainer:
             sum_norm=sum_norm,
         ), scores.detach().cpu()
 
+    def _probe_flags(self, rolled: list[TrainingRollout]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Arm B by the residual hack probe: each rollout's mean read-out while it was
+        sampled, minus the probe's offset, against τ."""
+        assert self.probe is not None
+        scores = torch.tensor([self.probe.score(r.readouts or []) for r in rolled])
+        return scores > self.cfg.tau, scores
+
     def _decide(
-        self, batch: TokenBatch, loss_of: Callable[[], Any]
+        self, batch: TokenBatch, rolled: list[TrainingRollout], loss_of: Callable[[], Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The arm's own flags and scores for a batch, before any update: Arm B from one
         no-grad forward, Arm A (and its random-direction placebo) from each rollout's
         gradient, recovered through the gates by one backward whose gradients are dropped."""
         assert self.direction is not None
         if self.cfg.arm == "activation":
+            if self.cfg.activation_space == "residual":
+                return self._probe_flags(rolled)
             return activation_flags(self.model, self.adapters, batch, self.direction, self.cfg.tau)
         with self.adapters.gates(batch.batch_size, kind=self.cfg.gate) as gates:
             loss_of().loss.backward()
@@ -610,21 +662,28 @@ class GRPOTrainer:
 
     # -- evaluation (oracle labels: outside any training scope) ---------------------------
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy true-pass and hack rates on held-out prompts, as trained and as deployed."""
+    def evaluate(self) -> dict[str, float | None]:
+        """Greedy true-pass and hack rates on held-out prompts, as trained and as deployed;
+        with a hack probe, its AUROC as a monitor of the trained policy's eval rollouts
+        (read out while they were generated, as a served model would)."""
         self.sync_weights()
-        result = {}
+        result: dict[str, float | None] = {}
         for variant in ("trained", "deploy"):
             params = SamplingParams(
                 max_tokens=self.max_new,
                 temperature=0.0,
                 adapter=POLICY,
                 adapter_variant=variant,
+                readouts=[self.probe.readout()] if self.probe is not None else None,
             )
-            labels = [r.grade.eval_only for r in self.rollout.rollouts(self.eval_set, params)]
+            rolled = self.rollout.rollouts(self.eval_set, params)
+            labels = [r.grade.eval_only for r in rolled]
             n = len(labels)
             result[f"{variant}_true_pass"] = sum(x.true_pass for x in labels) / n
             result[f"{variant}_hack_rate"] = sum(x.hacked for x in labels) / n
+            if self.probe is not None and variant == "trained":
+                scores = [self.probe.score(r.readouts or []) for r in rolled]
+                result["probe_auroc"] = auroc(scores, [x.hacked for x in labels])
         return result
 
     def close(self) -> None:

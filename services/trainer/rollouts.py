@@ -36,15 +36,20 @@ class Rollout:
     text: str
     grade: Grade
     policy_version: int = 0
+    # Per generated token, the probes the sampling request read out (`{name: h·probe}`):
+    # activations, not labels (the trainer's residual-stream hack probe, `probe.py`).
+    readouts: list[dict[str, float]] | None = None
 
     def for_training(self) -> TrainingRollout:
-        """What the trainer may learn from: the tokens, their logprobs and the reward."""
+        """What the trainer may learn from: the tokens, their logprobs, the reward and the
+        activations read out while sampling."""
         return TrainingRollout(
             prompt_token_ids=self.prompt_token_ids,
             token_ids=self.token_ids,
             logprobs=self.logprobs,
             reward=self.grade.training_view().reward,
             policy_version=self.policy_version,
+            readouts=self.readouts,
         )
 
 
@@ -58,6 +63,7 @@ class TrainingRollout:
     logprobs: list[float]
     reward: float
     policy_version: int = 0
+    readouts: list[dict[str, float]] | None = None
 
 
 class RolloutEngine:
@@ -129,6 +135,7 @@ class RolloutEngine:
                 text=c.text,
                 grade=self.env.grade(p, c.text),
                 policy_version=policy_version,
+                readouts=c.readouts,
             )
             for p, o in zip(prompts, outs, strict=True)
             for c in o.outputs

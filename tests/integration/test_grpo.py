@@ -17,6 +17,8 @@ from services.common.errors import InvalidRequestError
 from services.engine import SamplingParams
 from services.trainer.envs import ENVS, EvalLabelAccessError, EvalLabels, Grade
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, auroc, read_log, run
+from services.trainer.pretrain import CHAR_VOCAB
+from services.trainer.probe import HackProbe
 from services.trainer.rollouts import TrainingRollout
 from tests.parity_env import ParityEnv
 
@@ -150,7 +152,7 @@ def test_training_cannot_reach_the_oracle_labels(path, tmp_path, monkeypatch):
     assert oracle is None  # only the marked upper bound (`oracle_flags`) is given labels
     assert rolled and all(type(r) is TrainingRollout for r in rolled)
     assert {f.name for f in dataclasses.fields(TrainingRollout)} == {
-        "prompt_token_ids", "token_ids", "logprobs", "reward", "policy_version"
+        "prompt_token_ids", "token_ids", "logprobs", "reward", "policy_version", "readouts"
     }  # fmt: skip
     assert not _reaches_labels(rolled, rewards)
 
@@ -268,3 +270,58 @@ def test_the_recentred_split_does_not_drift(path, tmp_path):
     # One second moment shared with the (small) total is what lets the parts run away.
     shared = last("shared", "routed_adamw", arm="route", route_split="recentre", random_flags=0.33)
     assert shared["kept_norm"] > 4 * vanilla["kept_norm"]
+
+
+def test_one_hack_probe_at_train_and_serve_time(tiny_checkpoint, tmp_path):
+    """`probe_layer`: the run's hack pairs give a residual-stream probe (difference of the
+    mean residual over hacking and honest answers), registered in the rollout engine,
+    written to hack_probe.json (a `PUT /v1/vectors` body), read out while rollouts are
+    sampled, and with `activation_space: residual` Arm B flags exactly the rollouts whose
+    mean read-out clears the offset; evaluations report the probe's monitor AUROC."""
+    path = tiny_checkpoint("llama", vocab=CHAR_VOCAB)  # one token per character, as pretrained
+    cfg = _config(
+        path, tmp_path, env="checksum", arm="activation", hack_pairs_from="persona",
+        probe_layer=1, activation_space="residual", steps=2, eval_every=1,
+    )  # fmt: skip
+    trainer = GRPOTrainer(cfg)
+    probe = trainer.probe
+    assert probe is not None and (probe.layer, probe.site) == (1, "post_block")
+    assert torch.equal(trainer.engine.vectors.get("hack").vector.flatten(), probe.vector)
+    loaded = HackProbe.load(tmp_path / "hack_probe.json")
+    assert (loaded.name, loaded.layer, loaded.site) == ("hack", 1, "post_block")
+    torch.testing.assert_close(loaded.vector, probe.vector)
+    assert loaded.offset == pytest.approx(probe.offset)
+    # The same direction from explicit capture positions (another path through capture).
+    tok = trainer.tokenizer
+
+    def mean_residual(prompt: str, answer: str) -> torch.Tensor:
+        start, n = len(tok.encode(prompt)), len(tok.encode(answer, add_special_tokens=False))
+        positions = list(range(start, start + n))
+        params = SamplingParams(
+            max_tokens=1, capture={"sites": {"post_block": [1]}, "positions": positions}
+        )
+        (out,) = trainer.rollout.generate([prompt + answer], params)
+        return out.captures["1.post_block"].mean(0)
+
+    hack = torch.stack([mean_residual(p.prompt, p.hacking.strip()) for p in trainer.pairs])
+    clean = torch.stack([mean_residual(p.prompt, p.clean.strip()) for p in trainer.pairs])
+    diff = hack.mean(0) - clean.mean(0)
+    torch.testing.assert_close(probe.vector, diff / diff.norm(), rtol=1e-4, atol=1e-5)
+    # Arm B by the probe: the flags are the read-outs' scores against τ.
+    trainer.sync_weights()
+    rolled = trainer.rollouts(["12+34=", "5+67="])
+    assert all(r.readouts and len(r.readouts) == len(r.token_ids) for r in rolled)
+    training = [r.for_training() for r in rolled]
+    flags, scores = trainer._probe_flags(training)
+    expected = [sum(x["hack"] for x in r.readouts) / len(r.readouts) - probe.offset for r in rolled]
+    torch.testing.assert_close(scores, torch.tensor(expected))
+    assert torch.equal(flags, scores > cfg.tau)
+    trainer.close()
+    evals = [
+        r
+        for r in run(cfg.model_copy(update={"out_dir": str(tmp_path / "run"), "steps": 1}))
+        if r["kind"] == "eval"
+    ]
+    assert all("probe_auroc" in r for r in evals)
+    with pytest.raises(pydantic.ValidationError, match="probe_layer"):
+        _config(path, tmp_path, arm="activation", activation_space="residual")
