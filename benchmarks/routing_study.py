@@ -55,7 +55,10 @@ REFERENCES = ("base", "ceiling")
 # Arm B flagging by the run's residual-stream hack probe (the read-outs the rollout engine
 # reports while sampling: the direction a served model would read), not the adapter space.
 PROBE_ARM = "probe"
-QUICK_ARMS = "base,none,ceiling,activation,activation~placebo,activation~oracle,route,route~placebo"
+QUICK_ARMS = (
+    "base,none,ceiling,activation,activation~placebo,activation~oracle,probe,probe~placebo,"
+    "erase~oracle"
+)
 EMERGED = 0.5  # a vanilla run "hacks" when its final greedy hack rate reaches this
 # Per env: pretraining steps and the share of plain-prompt demonstrations that hack, chosen
 # so the base solves 20-40% greedily and hacks rarely (see ChecksumAdditionEnv).
