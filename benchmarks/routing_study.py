@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,11 @@ COLUMNS = (
 
 
 def revision() -> str:
-    """The code's git revision (`+dirty` with uncommitted changes), or "unknown"."""
+    """The code's git revision (`+dirty` with uncommitted changes), or "unknown";
+    `COXSWAIN_REVISION` overrides it where the tree is a copy without its history (the
+    device machine's)."""
+    if os.environ.get("COXSWAIN_REVISION"):
+        return os.environ["COXSWAIN_REVISION"]
     root = Path(__file__).resolve().parents[1]
     try:
         rev = subprocess.run(
