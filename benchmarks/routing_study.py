@@ -56,6 +56,8 @@ REFERENCES = ("base", "ceiling")
 # Arm B flagging by the run's residual-stream hack probe (the read-outs the rollout engine
 # reports while sampling: the direction a served model would read), not the adapter space.
 PROBE_ARM = "probe"
+# Arm B per token, the spec's form (adapter space; no rate-matched or oracle variant).
+TOKEN_ARM = "token"
 QUICK_ARMS = (
     "base,none,ceiling,activation,activation~placebo,activation~oracle,probe,probe~placebo,"
     "erase~oracle"
@@ -117,14 +119,14 @@ def parse_arm(spec: str) -> tuple[str, str | None]:
     """`"ARM"` or `"ARM~placebo"` / `"ARM~oracle"` -> (arm, variant); `ceiling` and `base`
     are vanilla runs (on the ungameable grader; not trained at all)."""
     arm, _, variant = spec.partition("~")
-    known = (*ARMS, PROBE_ARM, *REFERENCES)
+    known = (*ARMS, PROBE_ARM, TOKEN_ARM, *REFERENCES)
     if arm not in known or variant not in ("", "placebo", "oracle"):
         raise SystemExit(
             f"unknown arm {spec!r}: use one of {', '.join(known)}, optionally "
             "with ~placebo (rate-matched random flags) or ~oracle (the labels' upper bound)"
         )
-    if variant and arm in ("none", *REFERENCES):
-        raise SystemExit(f"{spec!r}: {arm!r} routes nothing, so it has no {variant}")
+    if variant and arm in ("none", TOKEN_ARM, *REFERENCES):
+        raise SystemExit(f"{spec!r}: {arm!r} has no {variant} variant")
     return arm, variant or None
 
 
@@ -159,7 +161,9 @@ def run_study(args: argparse.Namespace) -> list[dict]:
                     raise SystemExit(f"{name}: run arm {arm!r} before its placebo")
                 rate = sum(r["flag_rate"] for r in mine) / len(mine)
             env_args = {"grader": "exact"} if arm == "ceiling" else {}
-            grpo_arm = {"ceiling": "none", PROBE_ARM: "activation"}.get(arm, arm)
+            grpo_arm = {"ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation"}.get(
+                arm, arm
+            )
             cfg = GRPOConfig(
                 model=str(base),
                 env=args.env,
@@ -167,6 +171,7 @@ def run_study(args: argparse.Namespace) -> list[dict]:
                 arm=grpo_arm,
                 probe_layer=args.probe_layer,
                 activation_space="residual" if arm == PROBE_ARM else "adapter",
+                activation_granularity="token" if arm == TOKEN_ARM else "rollout",
                 steps=args.steps,
                 lr=args.lr,
                 tau=args.tau,

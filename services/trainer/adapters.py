@@ -150,6 +150,12 @@ class _ForwardControls:
     mask_mode: MaskMode = "route"
     mask_stop: MaskStop = "parameter"
     captured: dict[str, torch.Tensor] | None = None  # module -> [N, r] x V, detached
+    # Per-token Arm B: module -> unit [r] direction; a token whose x V has cosine > tau
+    # with it is flagged at that module. `token_flags` records each module's [B, T] flags.
+    token_directions: dict[str, torch.Tensor] | None = None
+    token_tau: float = 0.0
+    token_batch: int = 0
+    token_flags: dict[str, torch.Tensor] | None = None
 
 
 class SVDAdaptedLinear(nn.Module):
@@ -202,10 +208,17 @@ class SVDAdaptedLinear(nn.Module):
         if c.captured is not None:
             c.captured[self.name] = z.detach()
         gate = c.gates.get(self.name) if c.gates is not None else None
-        mask = c.rollout_mask
+        mask = c.rollout_mask  # [B] (a rollout's every token) or, below, [B, T]
+        if c.token_directions is not None:
+            v = c.token_directions[self.name].to(z)
+            mask = (F.cosine_similarity(z.detach(), v[None], dim=-1) > c.token_tau).view(
+                c.token_batch, -1
+            )
+            if c.token_flags is not None:
+                c.token_flags[self.name] = mask
         rollouts = gate.shape[0] if gate is not None else mask.shape[0] if mask is not None else 0
         zb = z.view(rollouts, -1, self.rank) if rollouts else z  # [B, T, r] or [N, r]
-        flagged = mask.view(-1, 1, 1) if mask is not None else None
+        flagged = mask.view(rollouts, -1, 1) if mask is not None else None  # [B, 1|T, 1]
         by_param = c.mask_stop == "parameter"
         kept_s = self.delta_s
         if flagged is not None and by_param:
@@ -366,6 +379,35 @@ class AdapterSet:
             raise InvalidRequestError("flagged must be a [B] bool tensor")
         with self._set(rollout_mask=flagged, mask_mode=mode, mask_stop=stop):
             yield
+
+    @contextmanager
+    def mask_tokens(
+        self,
+        directions: dict[str, torch.Tensor],
+        batch_size: int,
+        tau: float = 0.0,
+        mode: MaskMode = "route",
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Arm B per token, the spec's form: at each adapter, a token whose `x V` has cosine
+        > `tau` with that module's direction gets `where(flag, kept.detach(), kept)` (its
+        gradient reaches the quarantine, `route`, or nothing, `erase`); other tokens train
+        only the kept δS. Yields each module's `[B, T]` flags as the forward fills them in.
+        The batch must be `[batch_size, T]`."""
+        if mode not in ("route", "erase"):
+            raise InvalidRequestError(f"mask mode must be 'route' or 'erase', got {mode!r}")
+        missing = set(self.modules) - set(directions)
+        if missing:
+            raise InvalidRequestError(f"no per-token direction for {sorted(missing)}")
+        flags: dict[str, torch.Tensor] = {}
+        with self._set(
+            token_directions=directions,
+            token_tau=tau,
+            token_batch=batch_size,
+            token_flags=flags,
+            mask_mode=mode,
+            mask_stop="activation",
+        ):
+            yield flags
 
     @contextmanager
     def capture(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -156,6 +156,12 @@ class GRPOConfig(BaseModel):
         "or residual (the hack probe's read-outs while sampling: one direction at train "
         "and serve time; needs probe_layer and in-process rollouts)",
     )
+    activation_granularity: Literal["rollout", "token"] = Field(
+        "rollout",
+        description="Arm B per rollout (flag whole rollouts) or per token, the spec's form: "
+        "at each adapter, where(cos(x·V, v) > tau, kept.detach(), kept) (route_split does "
+        "not apply)",
+    )
     # evaluation, logging, checkpoints
     eval_every: int = Field(10, ge=1)
     eval_prompts: int = Field(64, ge=1)
@@ -199,6 +205,16 @@ class GRPOConfig(BaseModel):
             raise ValueError(
                 "activation_space 'residual' flags Arm B ('activation') rollouts by the hack "
                 "probe's read-outs: set probe_layer, with in-process rollouts (rollout_workers 0)"
+            )
+        if self.activation_granularity == "token" and (
+            self.arm != "activation"
+            or self.activation_space != "adapter"
+            or self.random_flags is not None
+            or self.oracle_flags
+        ):
+            raise ValueError(
+                "activation_granularity 'token' is Arm B ('activation') in adapter space, "
+                "flagging tokens by its own direction (no random_flags or oracle_flags)"
             )
         if self.probe_layer is not None and self.rollout_workers:
             raise ValueError("probe_layer reads the probe in the in-process rollout engine")
@@ -514,7 +530,18 @@ class GRPOTrainer:
 
         # Flags fixed before the backward: rate-matched random ones, or the oracle's labels.
         placebo = self._random_flags(B) if cfg.random_flags is not None else oracle
-        if cfg.route_split == "recentre" and cfg.arm != "none":
+        if cfg.arm == "activation" and cfg.activation_granularity == "token":
+            assert self.direction is not None
+            with adapters.mask_tokens(self.direction.vectors, B, cfg.tau) as token_flags:
+                out = loss_of()
+                out.loss.backward()
+            leakage = gradient_leakage(adapters)
+            # Per rollout: the share of its completion tokens flagged, over modules.
+            share = torch.stack(list(token_flags.values())).float().mean(0)  # [B, T]
+            real = batch.loss_mask.to(share)
+            scores = ((share * real).sum(1) / real.sum(1).clamp(min=1)).cpu()
+            flagged = scores > 0.5
+        elif cfg.route_split == "recentre" and cfg.arm != "none":
             if placebo is None:
                 flagged, scores = self._decide(batch, rolled, loss_of)
             else:

@@ -325,3 +325,24 @@ def test_one_hack_probe_at_train_and_serve_time(tiny_checkpoint, tmp_path):
     assert all("probe_auroc" in r for r in evals)
     with pytest.raises(pydantic.ValidationError, match="probe_layer"):
         _config(path, tmp_path, arm="activation", activation_space="residual")
+
+
+def test_per_token_arm_b_trains_both_parts_and_is_checked(path, tmp_path):
+    """`activation_granularity: token` runs Arm B in the spec's per-token form: with τ = -2
+    every token is flagged (cos > -2), so only the quarantine learns; with τ = 2 none is,
+    so only the kept δS does. Per-rollout-only settings are refused beside it."""
+
+    def last(name: str, tau: float) -> dict:
+        cfg = _config(
+            path, tmp_path / name, arm="activation", activation_granularity="token", tau=tau,
+            steps=2,
+        )  # fmt: skip
+        return [r for r in run(cfg) if r["kind"] == "train"][-1]
+
+    every = last("every", -2.0)
+    assert every["flagged"] == 1 and every["kept_norm"] == 0 and every["quarantine_norm"] > 0
+    none = last("none", 2.0)
+    assert none["flagged"] == 0 and none["kept_norm"] > 0 and none["quarantine_norm"] == 0
+    for bad in ({"arm": "route"}, {"arm": "activation", "random_flags": 0.5}):
+        with pytest.raises(pydantic.ValidationError, match="activation_granularity"):
+            _config(path, tmp_path, activation_granularity="token", **bad)

@@ -192,3 +192,41 @@ def test_targets_that_cannot_be_applied_are_errors(ckpt):
         attach_adapters(model.model, AdapterConfig(targets=("*.o_proj",), rank=2))
     with pytest.raises(InvalidRequestError, match="quarantine"):
         AdapterConfig(quarantine="dense")
+
+
+@pytest.mark.parametrize("mode", ["route", "erase"])
+def test_per_token_arm_b_against_a_hand_computed_case(ckpt, mode):
+    """`mask_tokens`, the spec's form `where(cos(a, v) > τ, kept.detach(), kept)`: with
+    g_t = Uᵀ ∂L/∂y_t and z_t = x_t V, δS's gradient is Σ of z_t ⊙ g_t over the tokens
+    not flagged, δS_q's over the flagged ones (route) or nothing (erase); values unchanged."""
+    _, adapters = _adapted(ckpt, rank=4)
+    _randomise(adapters, seed=3)
+    name = "layers.1.mlp.down_proj"
+    m = adapters.modules[name]
+    B, T = 2, 3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(B * T, m.base.weight.shape[1], generator=g)
+    w = torch.randn(B * T, m.base.weight.shape[0], generator=g)
+    z = x @ m.v_t.detach().T  # [N, r]
+    v = z[1] - z[4]  # token 1 leans along it, token 4 against it
+    flags = torch.nn.functional.cosine_similarity(z, v[None], dim=-1) > 0
+    assert flags[1] and not flags[4] and 0 < int(flags.sum()) < B * T  # a mixed case
+    directions = {n: torch.ones(a.rank) for n, a in adapters.modules.items()} | {name: v}
+    plain = m(x)
+    with adapters.mask_tokens(directions, B, tau=0.0, mode=mode) as seen:
+        y = m(x)
+    torch.testing.assert_close(y, plain, rtol=0, atol=0)  # values: the same forward
+    assert torch.equal(seen[name], flags.view(B, T))
+    (y * w).sum().backward()
+    g_t = w @ m.u.detach()  # [N, r]
+    per_token = z * g_t
+    torch.testing.assert_close(m.delta_s.grad, per_token[~flags].sum(0), rtol=1e-5, atol=1e-6)
+    if mode == "route":
+        torch.testing.assert_close(m.delta_s_q.grad, per_token[flags].sum(0), rtol=1e-5, atol=1e-6)
+    else:
+        assert m.delta_s_q.grad is None
+    with (
+        pytest.raises(InvalidRequestError, match="no per-token direction"),
+        adapters.mask_tokens({name: v}, B),
+    ):
+        pass
