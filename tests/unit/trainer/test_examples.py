@@ -18,3 +18,7 @@ def test_every_example_validates_and_each_arm_has_one():
         assert configs[arm].arm == arm
     assert configs["lora-activation"].quarantine == "lora"
     assert configs["async-route"].rollout_mode == "async"
+    probe = configs["checksum-probe"]
+    assert (probe.env, probe.activation_space, probe.hack_pairs_from) == (
+        "checksum", "residual", "persona"
+    )  # fmt: skip

@@ -16,6 +16,7 @@ from services.trainer.grpo_loss import (
     group_advantages,
     grpo_loss,
     k3_kl,
+    subset_advantages,
 )
 
 D = torch.float64
@@ -159,3 +160,26 @@ def test_shape_errors_name_the_tensor():
         clipped_policy_loss(z, z, torch.zeros(3), torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(InvalidRequestError, match="mask must be a bool"):
         k3_kl(z, z, torch.ones(2, 3))
+
+
+def test_subset_advantages_centre_each_group_over_its_included_rollouts():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    include = torch.tensor([True, True, False, True, True, True, True, True])
+    adv = subset_advantages(rewards, 4, include)
+    # Group 1 without its third rollout is [1, 0, 1]: mean 2/3, Bessel std 1/sqrt(3).
+    std = (1 / 3) ** 0.5
+    expected = [
+        (1 - 2 / 3) / (std + 1e-4),
+        (0 - 2 / 3) / (std + 1e-4),
+        0.0,
+        (1 - 2 / 3) / (std + 1e-4),
+    ]
+    torch.testing.assert_close(adv[:4], torch.tensor(expected))
+    torch.testing.assert_close(adv[4:], group_advantages(rewards[4:], 4))  # all included
+    assert torch.equal(subset_advantages(rewards, 4, torch.ones(8, dtype=torch.bool)),
+                       group_advantages(rewards, 4))  # fmt: skip
+    one = torch.tensor([True, False, False, False, True, True, True, True])
+    assert torch.equal(subset_advantages(rewards, 4, one)[:4], torch.zeros(4))  # no baseline
+    assert subset_advantages(rewards, 4, include, scale="none")[0] == pytest.approx(1 / 3)
+    with pytest.raises(InvalidRequestError, match="include"):
+        subset_advantages(rewards, 4, include[:4])
