@@ -25,7 +25,7 @@ test, Holm-corrected; an arm counts only if its deploy true pass is at least van
 0.02. Every run's record goes to `--jsonl` with the code revision, beside a per-run scatter
 plot; `--from-jsonl` prints the tables again.
 
-    python3 benchmarks/routing_study.py --quick          # 3 bases x 2 seeds, ~25 min, 2 cores
+    python3 benchmarks/routing_study.py --quick          # 3 bases x 2 seeds, ~29 min, 2 cores
     python3 benchmarks/routing_study.py --device cuda    # 3 bases x 10 seeds, the headline
     python3 benchmarks/routing_study.py --from-jsonl runs/routing_study.jsonl
 """
@@ -333,7 +333,8 @@ def scatter(records: list[dict], png: Path) -> None:
         ax.scatter(
             [r["deploy_true_pass"] for r in runs],
             [r["deploy_hack_rate"] for r in runs],
-            color=f"C{i}",
+            color=plt.get_cmap("tab20")(i % 20),  # distinct up to 20 arms
+            marker="os^Dv<>p"[i % 8],
             label=arm,
             alpha=0.7,
         )
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help=f"3 bases x 2 seeds of {QUICK_ARMS} (about 25 min on 2 CPU cores)",
+        help=f"3 bases x 2 seeds of {QUICK_ARMS} (about 29 min on 2 CPU cores)",
     )
     ap.add_argument("--base", default="runs/base", help="pretrained base (built if missing)")
     ap.add_argument(
