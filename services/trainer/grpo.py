@@ -635,10 +635,12 @@ class GRPOTrainer:
         """`route_split: recentre`. The kept part gets the GRPO gradient of the unflagged
         rollouts alone, with advantages re-centred among each group's unflagged rollouts:
         what a run that never sampled the flagged ones would take. The quarantine gets the
-        rest of the step's total (`route`) or nothing (`erase`), so δS + δS_q still follows
-        the unrouted gradient. The kept gradient is a zero-sum GRPO gradient in its own
-        right, not a one-sided sum, so δS moves like a vanilla run's δS; with no flags it
-        is the total, bit for bit, and the quarantine gets exactly zero.
+        rest of the step's total (`route`) or nothing (`erase`), so the two gradients sum
+        to the unrouted one. The kept gradient is a zero-sum GRPO gradient in its own right,
+        not a one-sided sum, so under AdamW (each part its own moments) δS moves like a
+        vanilla run's δS; `routed_adamw` would scale both parts by the small total's second
+        moment and let them run away. With no flags the kept gradient is the total, bit for
+        bit, and the quarantine gets exactly zero.
 
         Returns the full loss's output (for metrics) and the leakage: the norm of what the
         kept part did not get, over it plus the kept gradient's (in δS coordinates)."""
