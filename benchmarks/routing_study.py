@@ -182,6 +182,7 @@ def run_study(args: argparse.Namespace) -> list[dict]:
                 hack_pairs_from=args.hack_pairs,
                 rank=args.rank,
                 targets=args.targets.split(","),
+                quarantine=args.quarantine,
                 seed=seed,
                 eval_every=args.steps,
                 eval_prompts=args.eval_prompts,
@@ -205,6 +206,7 @@ def run_study(args: argparse.Namespace) -> list[dict]:
                 "hack_pairs": args.hack_pairs,
                 "rank": args.rank,
                 "targets": args.targets,
+                "quarantine": args.quarantine,
                 "device": args.device,
             }
             if arm == "none" and ("base", None) in specs:  # the untrained policy, same prompts
@@ -272,7 +274,8 @@ def report(records: list[dict], png: Path) -> None:
         f"\nenv {first['env']}, {bases} base(s), {len(records)} records, {first['steps']} GRPO "
         f"steps, {first['optimizer']} lr {first['lr']}, tau {first['tau']}, {first['split']} "
         f"split, {first.get('hack_pairs', 'contrastive')} hack pairs, rank {first['rank']} on "
-        f"{first['targets']}, device {first.get('device', 'cpu')}; revision {', '.join(revs)}"
+        f"{first['targets']}, {first.get('quarantine', 'svd')} quarantine, device "
+        f"{first.get('device', 'cpu')}; revision {', '.join(revs)}"
     )
     print(vanilla_emergence(records))
     print("means with 95% t-intervals over runs")
@@ -392,6 +395,13 @@ def main(argv: list[str] | None = None) -> None:
         "--targets",
         default="*.qkv_proj,*.o_proj,*.gate_up_proj,*.down_proj",
         help="adapted Linears (comma-separated patterns)",
+    )
+    ap.add_argument(
+        "--quarantine",
+        default="svd",
+        choices=["svd", "lora"],
+        help="svd: δS_q in the kept part's basis; lora: a LoRA of its own basis (Arm A's "
+        "route and placebo need svd)",
     )
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument(
