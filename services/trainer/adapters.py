@@ -137,6 +137,11 @@ class SVDBasisCache:
         return basis
 
 
+def _check_mask_mode(mode: str) -> None:
+    if mode not in ("route", "erase"):
+        raise InvalidRequestError(f"mask mode must be 'route' or 'erase', got {mode!r}")
+
+
 @dataclass
 class _ForwardControls:
     """Per-forward switches shared by every adapter of one `AdapterSet` (set via its
@@ -369,8 +374,7 @@ class AdapterSet:
         path's output, which also cuts that path out of the gradient reaching earlier layers.
         Values are the same either way; only gradients change.
         """
-        if mode not in ("route", "erase"):
-            raise InvalidRequestError(f"mask mode must be 'route' or 'erase', got {mode!r}")
+        _check_mask_mode(mode)
         if stop not in ("parameter", "activation"):
             raise InvalidRequestError(
                 f"mask stop must be 'parameter' or 'activation', got {stop!r}"
@@ -393,8 +397,7 @@ class AdapterSet:
         gradient reaches the quarantine, `route`, or nothing, `erase`); other tokens train
         only the kept δS. Yields each module's `[B, T]` flags as the forward fills them in.
         The batch must be `[batch_size, T]`."""
-        if mode not in ("route", "erase"):
-            raise InvalidRequestError(f"mask mode must be 'route' or 'erase', got {mode!r}")
+        _check_mask_mode(mode)
         missing = set(self.modules) - set(directions)
         if missing:
             raise InvalidRequestError(f"no per-token direction for {sorted(missing)}")

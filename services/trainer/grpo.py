@@ -200,11 +200,11 @@ class GRPOConfig(BaseModel):
         if self.quarantine == "lora" and self.optimizer == "routed_adamw":
             raise ValueError("routed_adamw pairs δS with δS_q: it needs quarantine 'svd'")
         if self.activation_space == "residual" and (
-            self.probe_layer is None or self.rollout_workers or self.arm != "activation"
+            self.probe_layer is None or self.arm != "activation"
         ):
             raise ValueError(
                 "activation_space 'residual' flags Arm B ('activation') rollouts by the hack "
-                "probe's read-outs: set probe_layer, with in-process rollouts (rollout_workers 0)"
+                "probe's read-outs: set probe_layer"
             )
         if self.activation_granularity == "token" and (
             self.arm != "activation"
@@ -698,20 +698,21 @@ class GRPOTrainer:
         self.sync_weights()
         result: dict[str, float | None] = {}
         for variant in ("trained", "deploy"):
+            probe = self.probe if variant == "trained" else None  # it monitors the trained
             params = SamplingParams(
                 max_tokens=self.max_new,
                 temperature=0.0,
                 adapter=POLICY,
                 adapter_variant=variant,
-                readouts=[self.probe.readout()] if self.probe is not None else None,
+                readouts=[probe.readout()] if probe is not None else None,
             )
             rolled = self.rollout.rollouts(self.eval_set, params)
             labels = [r.grade.eval_only for r in rolled]
             n = len(labels)
             result[f"{variant}_true_pass"] = sum(x.true_pass for x in labels) / n
             result[f"{variant}_hack_rate"] = sum(x.hacked for x in labels) / n
-            if self.probe is not None and variant == "trained":
-                scores = [self.probe.score(r.readouts or []) for r in rolled]
+            if probe is not None:
+                scores = [probe.score(r.readouts or []) for r in rolled]
                 result["probe_auroc"] = auroc(scores, [x.hacked for x in labels])
         return result
 

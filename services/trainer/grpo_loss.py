@@ -29,20 +29,10 @@ def group_advantages(
     as TRL computes it; a group whose rewards are all equal gets zero advantage.
     `scale="none"` (Dr.GRPO): `r − mean`, no per-group rescaling.
     """
-    if rewards.ndim != 1:
-        raise InvalidRequestError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.numel() % group_size != 0:
-        raise InvalidRequestError(
-            f"group_size {group_size} does not divide the {rewards.numel()} rewards"
-        )
-    groups = rewards.view(-1, group_size)  # [G, n]
+    groups = _groups(rewards, group_size, scale)
     centred = groups - groups.mean(dim=1, keepdim=True)
     if scale == "none":
         return centred.reshape(-1)
-    if scale != "std":
-        raise InvalidRequestError(f"unknown advantage scale {scale!r}; use 'std' or 'none'")
-    if group_size < 2:
-        raise InvalidRequestError("scale='std' needs group_size >= 2 (a std of one sample)")
     std = groups.std(dim=1, keepdim=True)
     # Equal rewards carry no signal: exactly zero advantage, even with eps = 0.
     adv = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
@@ -66,8 +56,7 @@ def subset_advantages(
         )
     if bool(include.all()):
         return group_advantages(rewards, group_size, scale=scale, eps=eps)
-    group_advantages(rewards, group_size, scale=scale, eps=eps)  # the same argument checks
-    r = rewards.view(-1, group_size)
+    r = _groups(rewards, group_size, scale)
     w = include.view(-1, group_size).to(r.dtype)
     n = w.sum(1, keepdim=True)
     mean = (r * w).sum(1, keepdim=True) / n.clamp(min=1)
@@ -79,6 +68,21 @@ def subset_advantages(
     ok = (std > 0) & (n >= 2)
     adv = torch.where(ok, centred / (std + eps), torch.zeros_like(centred))
     return adv.reshape(-1)
+
+
+def _groups(rewards: torch.Tensor, group_size: int, scale: AdvantageScale) -> torch.Tensor:
+    """`rewards [B]` as `[G, group_size]`, once the arguments are checked."""
+    if rewards.ndim != 1:
+        raise InvalidRequestError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise InvalidRequestError(
+            f"group_size {group_size} does not divide the {rewards.numel()} rewards"
+        )
+    if scale not in ("std", "none"):
+        raise InvalidRequestError(f"unknown advantage scale {scale!r}; use 'std' or 'none'")
+    if scale == "std" and group_size < 2:
+        raise InvalidRequestError("scale='std' needs group_size >= 2 (a std of one sample)")
+    return rewards.view(-1, group_size)
 
 
 def completion_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:

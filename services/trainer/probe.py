@@ -88,7 +88,7 @@ def extract_probe(
 ) -> HackProbe:
     """The difference-in-means probe of `pairs` at (`layer`, `site`).
 
-    Each pair's prompt is run with each answer appended (one forward each, `max_tokens=1`),
+    Each pair's prompt is run with each answer appended (all in one batch, `max_tokens=1`),
     capturing the residual over the prompt; a row's answer is its last tokens (as many as
     the answer encodes to: exact for the character-level tokenizers of the gameable envs).
     No label is read.
@@ -99,24 +99,24 @@ def extract_probe(
     params = SamplingParams(
         max_tokens=1, temperature=0.0, capture={"sites": {site: [layer]}, "positions": "all_prompt"}
     )
-
-    def means(answers: list[tuple[str, str]]) -> torch.Tensor:
-        rows = [
-            (p + a, len(tokenizer.encode(a, add_special_tokens=False))) for p, a in answers if a
-        ]
-        if not rows:
-            raise InvalidRequestError("every answer of one side of the pairs is empty")
-        outs = generate([text for text, _ in rows], params)
-        return torch.stack(
-            [o.captures[key][-n:].float().mean(0) for o, (_, n) in zip(outs, rows, strict=True)]  # type: ignore[index]
-        )
-
-    hack = means([(p.prompt, p.hacking.strip()) for p in pairs])
-    clean = means([(p.prompt, p.clean.strip()) for p in pairs])
-    diff = hack.mean(0) - clean.mean(0)
+    rows = [
+        (p.prompt + a, len(tokenizer.encode(a, add_special_tokens=False)), side)
+        for p in pairs
+        for side, a in ((0, p.hacking.strip()), (1, p.clean.strip()))
+        if a
+    ]
+    if {side for _, _, side in rows} != {0, 1}:
+        raise InvalidRequestError("every answer of one side of the pairs is empty")
+    outs = generate([text for text, _, _ in rows], params)  # both sides in one batch
+    means = [o.captures[key][-n:].float().mean(0) for o, (_, n, _) in zip(outs, rows, strict=True)]  # type: ignore[index]
+    hack, clean = (
+        torch.stack([m for m, (_, _, side) in zip(means, rows, strict=True) if side == s]).mean(0)
+        for s in (0, 1)
+    )
+    diff = hack - clean
     norm = diff.norm()
     if not norm > 0:
         raise InvalidRequestError("the hack probe is zero: both sides of the pairs agree")
     vector = (diff / norm).cpu()
-    midpoint = (hack.mean(0) + clean.mean(0)).cpu() / 2
+    midpoint = (hack + clean).cpu() / 2
     return HackProbe(name, layer, site, vector, float(midpoint @ vector))
