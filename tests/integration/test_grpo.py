@@ -306,7 +306,7 @@ def test_one_hack_probe_at_train_and_serve_time(tiny_checkpoint, tmp_path):
     hack = torch.stack([mean_residual(p.prompt, p.hacking.strip()) for p in trainer.pairs])
     clean = torch.stack([mean_residual(p.prompt, p.clean.strip()) for p in trainer.pairs])
     diff = hack.mean(0) - clean.mean(0)
-    torch.testing.assert_close(probe.vector, diff / diff.norm(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(probe.vector, diff / diff.norm(), rtol=1e-4, atol=1e-4)
     # Arm B by the probe: the flags are the read-outs' scores against τ.
     trainer.sync_weights()
     rolled = trainer.rollouts(["12+34=", "5+67="])

@@ -220,9 +220,9 @@ def test_per_token_arm_b_against_a_hand_computed_case(ckpt, mode):
     (y * w).sum().backward()
     g_t = w @ m.u.detach()  # [N, r]
     per_token = z * g_t
-    torch.testing.assert_close(m.delta_s.grad, per_token[~flags].sum(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.delta_s.grad, per_token[~flags].sum(0), rtol=1e-4, atol=1e-4)
     if mode == "route":
-        torch.testing.assert_close(m.delta_s_q.grad, per_token[flags].sum(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m.delta_s_q.grad, per_token[flags].sum(0), rtol=1e-4, atol=1e-4)
     else:
         assert m.delta_s_q.grad is None
     with (
