@@ -23,10 +23,11 @@ adapter norms ‖δS‖ / ‖δS_q‖ / ‖δS + δS_q‖ (drift). Then the prim
 hack rate, for every arm against vanilla and every ARM against ARM~placebo, by permutation
 test, Holm-corrected; an arm counts only if its deploy true pass is at least vanilla's −
 0.02. Every run's record goes to `--jsonl` with the code revision, beside a per-run scatter
-plot; `--from-jsonl` prints the tables again.
+plot; `--from-jsonl` prints the tables again. `--jobs N` trains N runs at once in their own
+processes; `--resume` keeps the runs already in `--jsonl` and trains the rest.
 
     python3 benchmarks/routing_study.py --quick          # 3 bases x 2 seeds, ~29 min, 2 cores
-    python3 benchmarks/routing_study.py --device cuda    # 3 bases x 10 seeds, the headline
+    python3 benchmarks/routing_study.py --device cuda --jobs 8   # 3 bases x 10 seeds, the headline
     python3 benchmarks/routing_study.py --from-jsonl runs/routing_study.jsonl
 """
 
@@ -40,12 +41,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.trainer.envs import Env
-from services.trainer.grpo import GRPOConfig, run
+from services.trainer.grpo import GRPOConfig
+from services.trainer.grpo import run as grpo_run
 from services.trainer.pretrain import PretrainConfig, pretrain
 from services.trainer.study_stats import compare_arms, mean_interval
 
@@ -103,16 +107,23 @@ def revision() -> str:
 
 
 def base_dir(args: argparse.Namespace, index: int) -> Path:
-    """Base `index`'s checkpoint directory, pretrained (with seed `index`) if missing."""
-    base = Path(args.base) if args.bases == 1 else Path(f"{args.base}-{index}")
-    if not (base / "model.safetensors").is_file() or not (base / "pretrain_done").is_file():
-        t0 = time.perf_counter()
-        print(f"pretraining base {index} in {base} ({args.pretrain_steps} steps) ...")
-        config = PretrainConfig(envs=(args.env,), hack_fraction=args.hack_fraction, seed=index)
-        pretrain(base, steps=args.pretrain_steps, config=config, device=args.device, quiet=True)
-        (base / "pretrain_done").touch()
-        print(f"  done in {time.perf_counter() - t0:.0f}s")
-    return base
+    """Base `index`'s checkpoint directory (pretrained with seed `index` by `pretrain_base`)."""
+    return Path(args.base) if args.bases == 1 else Path(f"{args.base}-{index}")
+
+
+def pretrained(base: Path) -> bool:
+    return (base / "model.safetensors").is_file() and (base / "pretrain_done").is_file()
+
+
+def pretrain_base(
+    base: Path, index: int, env: str, steps: int, fraction: float, device: str
+) -> float:
+    """Pretrain base `index` into `base` (pretraining seed `index`); the seconds it took."""
+    t0 = time.perf_counter()
+    config = PretrainConfig(envs=(env,), hack_fraction=fraction, seed=index)
+    pretrain(base, steps=steps, config=config, device=device, quiet=True)
+    (base / "pretrain_done").touch()
+    return time.perf_counter() - t0
 
 
 def parse_arm(spec: str) -> tuple[str, str | None]:
@@ -130,123 +141,249 @@ def parse_arm(spec: str) -> tuple[str, str | None]:
     return arm, variant or None
 
 
+@dataclass(frozen=True)
+class Run:
+    """One GRPO run of the study: `arm` (with its `variant`) on base `base`, seed `seed`."""
+
+    base: int
+    arm: str
+    variant: str | None
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return self.arm if self.variant is None else f"{self.arm}~{self.variant}"
+
+
+# What a record must share with the study's arguments for `--resume` to keep it.
+CONFIG_KEYS = (
+    "env", "steps", "lr", "tau", "optimizer", "split", "hack_pairs", "rank", "targets",
+    "quarantine", "device",
+)  # fmt: skip
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    """Every trained run, base by base, arm by arm, seed by seed (`base` is not trained: it is
+    read off the vanilla runs' step 0)."""
+    specs = [parse_arm(a) for a in args.arms.split(",")]
+    if ("base", None) in specs and ("none", None) not in specs:
+        raise SystemExit("arm 'base' is read off the vanilla runs' step 0: add arm 'none'")
+    for arm, variant in specs:
+        if variant == "placebo" and (arm, None) not in specs:
+            raise SystemExit(f"{arm}~placebo is flagged at {arm}'s measured rate: add arm {arm!r}")
+    return [
+        Run(index, arm, variant, seed)
+        for index in range(args.bases)
+        for arm, variant in specs
+        if arm != "base"
+        for seed in range(args.seeds)
+    ]
+
+
+def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | None) -> GRPOConfig:
+    """The GRPO configuration of `run` on the checkpoint `base`; `rate` is the flag rate of a
+    placebo's random flags."""
+    return GRPOConfig(
+        model=str(base),
+        env=args.env,
+        env_args={"grader": "exact"} if run.arm == "ceiling" else {},
+        arm={"ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation"}.get(
+            run.arm, run.arm
+        ),
+        probe_layer=args.probe_layer,
+        activation_space="residual" if run.arm == PROBE_ARM else "adapter",
+        activation_granularity="token" if run.arm == TOKEN_ARM else "rollout",
+        steps=args.steps,
+        lr=args.lr,
+        tau=args.tau,
+        optimizer=args.optimizer,
+        route_split=args.split,
+        random_flags=rate,
+        oracle_flags=run.variant == "oracle",
+        hack_pairs_from=args.hack_pairs,
+        rank=args.rank,
+        targets=args.targets.split(","),
+        quarantine=args.quarantine,
+        seed=run.seed,
+        eval_every=args.steps,
+        eval_prompts=args.eval_prompts,
+        device=args.device,
+        out_dir=tempfile.mkdtemp(prefix=f"routing-{run.arm}-{run.seed}-"),
+    )
+
+
+def train(config: GRPOConfig) -> tuple[list[dict], float]:
+    """One run's log records and its seconds (in a worker process under `--jobs`)."""
+    t0 = time.perf_counter()
+    history = grpo_run(config, resume=False)
+    return history, time.perf_counter() - t0
+
+
+def _worker_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_records(
+    run: Run, history: list[dict], seconds: float, common: dict, rate: float | None, with_base: bool
+) -> list[dict]:
+    """The study records of one finished run: its own, preceded (for a vanilla run when the
+    study has arm `base`) by the untrained policy's, read off the run's step-0 evaluation."""
+    evals = [r for r in history if r["kind"] == "eval"]
+    train_log = [r for r in history if r["kind"] == "train"]
+    aurocs = [r["gate_auroc"] for r in train_log if r.get("gate_auroc") is not None]
+    common = {**common, "base": run.base, "seed": run.seed}
+    out = []
+    if run.arm == "none" and with_base:
+        zero = {**common, "arm": "base", "steps": 0, "random_flags": None}
+        zero.update({k: evals[0][k] for k in COLUMNS[:4]})
+        zero["probe_auroc"] = evals[0].get("probe_auroc")
+        zero.update(leakage=None, flag_rate=0.0, gate_auroc=None, seconds=0.0)
+        zero.update(kept_norm=0.0, quarantine_norm=0.0, sum_norm=0.0)
+        out.append(zero)
+    out.append(
+        {
+            **common,
+            "arm": run.name,
+            "random_flags": rate,
+            **{k: evals[-1][k] for k in COLUMNS[:4]},
+            "leakage": sum(r["leakage"] for r in train_log) / len(train_log),
+            "flag_rate": sum(r["flagged"] for r in train_log) / len(train_log),
+            "gate_auroc": sum(aurocs) / len(aurocs) if aurocs else None,
+            "probe_auroc": evals[-1].get("probe_auroc"),
+            **{k: train_log[-1][k] for k in ("kept_norm", "quarantine_norm", "sum_norm")},
+            "seconds": seconds,
+        }
+    )
+    return out
+
+
+def ready(run: Run, unfinished: list[Run]) -> bool:
+    """Whether `run` can start while `unfinished` runs are queued or training: a placebo
+    waits for every run of its arm on its base (its flag rate is their mean)."""
+    return run.variant != "placebo" or not any(
+        u.base == run.base and u.arm == run.arm and u.variant is None for u in unfinished
+    )
+
+
+def earlier_records(path: Path, common: dict) -> list[dict]:
+    """`--resume`: the records already in `path`, which must come from the same
+    configuration (a study is not a mix of two)."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in records:
+        differ = {k: (r.get(k), common[k]) for k in CONFIG_KEYS if r.get(k) != common[k]}
+        if differ and r["arm"] != "base":  # a `base` record's steps are 0
+            raise SystemExit(
+                f"--resume: {path} has a run of another configuration (recorded, now): {differ}"
+            )
+    return records
+
+
 def run_study(args: argparse.Namespace) -> list[dict]:
     """Every (base, arm, seed) run; one JSONL record each, appended as it finishes.
 
     `ARM~placebo` runs ARM with each rollout flagged at random at ARM's mean measured flag
-    rate on that base (so ARM must come first); `ARM~oracle` flags by the labels. `base`
-    records are the vanilla runs' step-0 evaluations (the same eval prompts, no training),
-    so `none` must be among the arms."""
-    rev = revision()
+    rate on that base, so it starts once all of ARM's runs on that base have ended;
+    `ARM~oracle` flags by the labels. `base` records are the vanilla runs' step-0
+    evaluations (the same eval prompts, no training). `--jobs N` trains N runs at once, each
+    in its own process (on `--device cuda` they share the GPU); `--resume` keeps the runs
+    already in `--jsonl` and trains the rest. At the end the file is rewritten in plan order
+    (base, arm, seed), whatever order the runs finished in."""
     jsonl = Path(args.jsonl)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
-    specs = [parse_arm(a) for a in args.arms.split(",")]
-    if ("base", None) in specs and ("none", None) not in specs:
-        raise SystemExit("arm 'base' is read off the vanilla runs' step 0: add arm 'none'")
-    records: list[dict] = []
-    with jsonl.open("w") as out:
+    runs = plan(args)
+    with_base = "base" in args.arms.split(",")
+    common = {
+        "revision": revision(),
+        "env": args.env,
+        **{k: getattr(args, k) for k in CONFIG_KEYS[1:]},
+    }
+    records = earlier_records(jsonl, common) if args.resume else []
+    done = {(r["base"], r["arm"], r["seed"]) for r in records}
+    todo = [r for r in runs if (r.base, r.name, r.seed) not in done]
+    if args.resume:
+        print(f"--resume: {len(runs) - len(todo)} of {len(runs)} runs already in {jsonl}")
 
-        def emit(record: dict) -> None:
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-            records.append(record)
+    bases = {index: base_dir(args, index) for index in sorted({r.base for r in todo})}
+    missing = {i: b for i, b in bases.items() if not pretrained(b)}
+    threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+    pool = None
+    if args.jobs > 1:
+        import multiprocessing
 
-        def one(index: int, base: Path, arm: str, variant: str | None, seed: int) -> dict:
-            t0 = time.perf_counter()
-            name = arm if variant is None else f"{arm}~{variant}"
-            rate = None
-            if variant == "placebo":
-                mine = [r for r in records if r["base"] == index and r["arm"] == arm]
-                if not mine:
-                    raise SystemExit(f"{name}: run arm {arm!r} before its placebo")
-                rate = sum(r["flag_rate"] for r in mine) / len(mine)
-            env_args = {"grader": "exact"} if arm == "ceiling" else {}
-            grpo_arm = {"ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation"}.get(
-                arm, arm
-            )
-            cfg = GRPOConfig(
-                model=str(base),
-                env=args.env,
-                env_args=env_args,
-                arm=grpo_arm,
-                probe_layer=args.probe_layer,
-                activation_space="residual" if arm == PROBE_ARM else "adapter",
-                activation_granularity="token" if arm == TOKEN_ARM else "rollout",
-                steps=args.steps,
-                lr=args.lr,
-                tau=args.tau,
-                optimizer=args.optimizer,
-                route_split=args.split,
-                random_flags=rate,
-                oracle_flags=variant == "oracle",
-                hack_pairs_from=args.hack_pairs,
-                rank=args.rank,
-                targets=args.targets.split(","),
-                quarantine=args.quarantine,
-                seed=seed,
-                eval_every=args.steps,
-                eval_prompts=args.eval_prompts,
-                device=args.device,
-                out_dir=tempfile.mkdtemp(prefix=f"routing-{arm}-{seed}-"),
-            )
-            history = run(cfg, resume=False)
-            evals = [r for r in history if r["kind"] == "eval"]
-            train = [r for r in history if r["kind"] == "train"]
-            aurocs = [r["gate_auroc"] for r in train if r.get("gate_auroc") is not None]
-            common = {
-                "revision": rev,
-                "env": args.env,
-                "base": index,
-                "seed": seed,
-                "steps": args.steps,
-                "lr": args.lr,
-                "tau": args.tau,
-                "optimizer": args.optimizer,
-                "split": args.split,
-                "hack_pairs": args.hack_pairs,
-                "rank": args.rank,
-                "targets": args.targets,
-                "quarantine": args.quarantine,
-                "device": args.device,
-            }
-            if arm == "none" and ("base", None) in specs:  # the untrained policy, same prompts
-                zero = {**common, "arm": "base", "steps": 0, "random_flags": None}
-                zero.update({k: evals[0][k] for k in COLUMNS[:4]})
-                zero["probe_auroc"] = evals[0].get("probe_auroc")
-                zero.update(leakage=None, flag_rate=0.0, gate_auroc=None, seconds=0.0)
-                zero.update(kept_norm=0.0, quarantine_norm=0.0, sum_norm=0.0)
-                emit(zero)
-            record = {
-                **common,
-                "arm": name,
-                "random_flags": rate,
-                **{k: evals[-1][k] for k in COLUMNS[:4]},
-                "leakage": sum(r["leakage"] for r in train) / len(train),
-                "flag_rate": sum(r["flagged"] for r in train) / len(train),
-                "gate_auroc": sum(aurocs) / len(aurocs) if aurocs else None,
-                "probe_auroc": evals[-1].get("probe_auroc"),
-                **{k: train[-1][k] for k in ("kept_norm", "quarantine_norm", "sum_norm")},
-                "seconds": time.perf_counter() - t0,
-            }
-            emit(record)
-            print(
-                f"  base {index} {name:20s} seed {seed}: deploy hack "
-                f"{record['deploy_hack_rate']:.2f}, deploy true pass "
-                f"{record['deploy_true_pass']:.2f}, trained hack "
-                f"{record['trained_hack_rate']:.2f}; flagged {record['flag_rate']:.2f}; ‖δS‖ "
-                f"{record['kept_norm']:.2f}, ‖δS_q‖ {record['quarantine_norm']:.2f} "
-                f"({record['seconds']:.0f}s)",
-                flush=True,
-            )
-            return record
+        pool = ProcessPoolExecutor(
+            max_workers=args.jobs,
+            mp_context=multiprocessing.get_context("spawn"),  # CUDA does not survive fork
+            initializer=_worker_threads,
+            initargs=(threads,),
+        )
+    try:
+        if missing:
+            print(f"pretraining base(s) {sorted(missing)} ({args.pretrain_steps} steps) ...")
+            pre = (args.env, args.pretrain_steps, args.hack_fraction, args.device)
+            if pool is None:
+                seconds = [pretrain_base(b, i, *pre) for i, b in missing.items()]
+            else:
+                futures = [pool.submit(pretrain_base, b, i, *pre) for i, b in missing.items()]
+                seconds = [f.result() for f in futures]
+            print(f"  done in {max(seconds):.0f}s")
+        with jsonl.open("a" if args.resume else "w") as out:
 
-        for index in range(args.bases):
-            base = base_dir(args, index)
-            for arm, variant in specs:
-                if arm == "base":
-                    continue
-                for seed in range(args.seeds):
-                    one(index, base, arm, variant, seed)
+            def finish(one: Run, rate: float | None, result: tuple[list[dict], float]) -> None:
+                for record in run_records(one, *result, common, rate, with_base):
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                    records.append(record)
+                r = records[-1]
+                print(
+                    f"  base {one.base} {one.name:20s} seed {one.seed}: deploy hack "
+                    f"{r['deploy_hack_rate']:.2f}, deploy true pass {r['deploy_true_pass']:.2f}, "
+                    f"trained hack {r['trained_hack_rate']:.2f}; flagged {r['flag_rate']:.2f}; "
+                    f"‖δS‖ {r['kept_norm']:.2f}, ‖δS_q‖ {r['quarantine_norm']:.2f} "
+                    f"({r['seconds']:.0f}s)",
+                    flush=True,
+                )
+
+            def placebo_rate(one: Run) -> float | None:
+                if one.variant != "placebo":
+                    return None
+                mine = [
+                    r["flag_rate"] for r in records if r["base"] == one.base and r["arm"] == one.arm
+                ]
+                return sum(mine) / len(mine)
+
+            if pool is None:
+                for one in todo:
+                    rate = placebo_rate(one)
+                    finish(one, rate, train(run_config(args, one, bases[one.base], rate)))
+            else:
+                waiting, flying = list(todo), {}
+                while waiting or flying:
+                    unfinished = waiting + [one for one, _ in flying.values()]
+                    startable = [w for w in waiting if ready(w, unfinished)]
+                    for one in startable[: args.jobs - len(flying)]:
+                        rate = placebo_rate(one)
+                        config = run_config(args, one, bases[one.base], rate)
+                        flying[pool.submit(train, config)] = (one, rate)
+                        waiting.remove(one)
+                    ended, _ = wait(flying, return_when=FIRST_COMPLETED)
+                    for future in ended:
+                        one, rate = flying.pop(future)
+                        finish(one, rate, future.result())
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    order = {(r.base, r.name, r.seed): i for i, r in enumerate(runs)}
+    records.sort(
+        key=lambda r: (
+            order.get((r["base"], r["arm"] if r["arm"] != "base" else "none", r["seed"]), -1),
+            r["arm"] != "base",
+        )
+    )
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     return records
 
 
@@ -412,6 +549,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: rollouts on the GPU engine")
     ap.add_argument("--jsonl", default="runs/routing_study.jsonl", help="every run's record")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained at once, each in its own process (they share the GPU and split "
+        "the CPU cores)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in --jsonl (same configuration) and train the rest",
+    )
     ap.add_argument("--from-jsonl", help="print the tables of an earlier study's records")
     args = ap.parse_args(argv)
     if args.from_jsonl:
