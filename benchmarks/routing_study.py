@@ -162,6 +162,10 @@ CONFIG_KEYS = (
 )  # fmt: skip
 
 
+# What a record written before a key existed meant by its absence.
+RECORD_DEFAULTS = {"hack_pairs": "contrastive", "quarantine": "svd", "device": "cpu"}
+
+
 def plan(args: argparse.Namespace) -> list[Run]:
     """Every trained run, base by base, arm by arm, seed by seed (`base` is not trained: it is
     read off the vanilla runs' step 0)."""
@@ -274,7 +278,8 @@ def earlier_records(path: Path, common: dict) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for r in records:
-        differ = {k: (r.get(k), common[k]) for k in CONFIG_KEYS if r.get(k) != common[k]}
+        recorded = {k: r.get(k, RECORD_DEFAULTS.get(k)) for k in CONFIG_KEYS}
+        differ = {k: (v, common[k]) for k, v in recorded.items() if v != common[k]}
         if differ and r["arm"] != "base":  # a `base` record's steps are 0
             raise SystemExit(
                 f"--resume: {path} has a run of another configuration (recorded, now): {differ}"
