@@ -66,6 +66,8 @@ QUICK_ARMS = (
     "base,none,ceiling,activation,activation~placebo,activation~oracle,probe,probe~placebo,"
     "erase~oracle"
 )
+# The headline's arms (the defaults): the quick ones and Arm A with its placebo, Arm B per token.
+HEADLINE_ARMS = QUICK_ARMS + ",route,route~placebo,token"
 EMERGED = 0.5  # a vanilla run "hacks" when its final greedy hack rate reaches this
 # Per env: pretraining steps and the share of plain-prompt demonstrations that hack, chosen
 # so the base solves 20-40% greedily and hacks rarely (see ChecksumAdditionEnv).
@@ -458,11 +460,37 @@ def report(records: list[dict], png: Path) -> None:
     for c in compare_arms({a: v for a, v in by_arm.items() if len(v) >= 2}):
         keeps = "—" if math.isnan(floor) else ("yes" if skill[c.arm] >= floor else "no")
         print(
-            f"| {c.arm} | {c.against} | {c.difference:+.2f} | {c.p:.3f} | {c.p_holm:.3f} "
-            f"| {keeps} |"
+            f"| {c.arm} | {c.against} | {c.difference:+.2f} | {pvalue(c.p)} | "
+            f"{pvalue(c.p_holm)} | {keeps} |"
         )
+    if "base" in by_arm:
+        secondary(records)
     scatter(records, png)
     print(f"\nper-run scatter: {png}")
+
+
+def pvalue(p: float) -> str:
+    """A permutation p-value to three places (its floor is 1 / (resamples + 1))."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def secondary(records: list[dict]) -> None:
+    """Exploratory (not the preregistered outcome): deploy true pass of every arm against the
+    untrained base (does it keep what the base could do?) and of every ARM against
+    ARM~placebo, by permutation test, Holm-corrected over that family."""
+    by_arm: dict[str, list[float]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], []).append(r["deploy_true_pass"])
+    print(
+        "\nsecondary, exploratory: deploy true pass against the untrained base and against "
+        "the rate-matched placebo; permutation tests, Holm-corrected"
+    )
+    print("| arm | against | Δ deploy true pass | p | Holm p |")
+    print("|---|---|---|---|---|")
+    for c in compare_arms({a: v for a, v in by_arm.items() if len(v) >= 2}, baseline="base"):
+        print(
+            f"| {c.arm} | {c.against} | {c.difference:+.2f} | {pvalue(c.p)} | {pvalue(c.p_holm)} |"
+        )
 
 
 def scatter(records: list[dict], png: Path) -> None:
@@ -495,7 +523,8 @@ def scatter(records: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The study's arguments, with `--quick` and the per-env defaults applied."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--quick",
@@ -509,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--env", default="checksum")
     ap.add_argument("--pretrain-steps", type=int, help="default: per env (PRETRAIN)")
     ap.add_argument("--hack-fraction", type=float, help="default: per env (PRETRAIN)")
-    ap.add_argument("--arms", default=QUICK_ARMS)
+    ap.add_argument("--arms", default=HEADLINE_ARMS)
     ap.add_argument("--seeds", type=int, default=10, help="GRPO seeds per base and arm")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lr", type=float, default=0.05)
@@ -568,11 +597,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--from-jsonl", help="print the tables of an earlier study's records")
     args = ap.parse_args(argv)
-    if args.from_jsonl:
-        path = Path(args.from_jsonl)
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        report(records, path.with_suffix(".png"))
-        return
     if args.quick:
         args.bases, args.seeds, args.arms = 3, 2, QUICK_ARMS
     steps, fraction = PRETRAIN.get(args.env, (1000, 0.1))
@@ -583,6 +607,16 @@ def main(argv: list[str] | None = None) -> None:
 
         has = ENVS[args.env].persona_pairs is not Env.persona_pairs
         args.hack_pairs = "persona" if has else "contrastive"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.from_jsonl:
+        path = Path(args.from_jsonl)
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        report(records, path.with_suffix(".png"))
+        return
     t0 = time.perf_counter()
     records = run_study(args)
     print(f"\n{len(records)} records in {time.perf_counter() - t0:.0f}s; in {args.jsonl}")
