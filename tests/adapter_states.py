@@ -14,11 +14,11 @@ from tests.oracle import hf_model
 def random_state(
     bank: AdapterBank, seed: int, scale: float = 3.0, quarantine: bool = True, lora: int = 0
 ) -> dict:
-    """Random δ vectors per target module of `bank`, plus a rank-`lora` LoRA quarantine
-    when `lora`."""
+    """Random δ vectors per target module of `bank` (every layer's, on a pipeline stage),
+    plus a rank-`lora` LoRA quarantine of the whole weights' shapes when `lora`."""
     g = torch.Generator().manual_seed(seed)
     state = {}
-    for name in sorted(bank.modules):
+    for name in sorted(bank.shapes):
         state[name] = {
             "kept": scale * torch.randn(bank.rank, generator=g),
             "quarantine": (scale * torch.randn(bank.rank, generator=g))
@@ -26,7 +26,7 @@ def random_state(
             else torch.zeros(bank.rank),
         }
         if lora:
-            out_f, in_f = bank.modules[name].weight.shape
+            out_f, in_f = bank.shapes[name]
             state[name]["lora_a"] = 0.3 * torch.randn(lora, in_f, generator=g)
             state[name]["lora_b"] = 0.3 * torch.randn(out_f, lora, generator=g)
     return state

@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import torch
 
+from services.common.errors import InvalidRequestError
 from services.engine import LLM, SamplingParams
+from tests.adapter_states import random_state
 
 H = 64  # the tiny checkpoint's hidden size
 LAYERS = 4
+# An adapter in every kind of target Linear: column-parallel (merged `qkv_proj` and
+# `gate_up_proj`) and row-parallel (`o_proj`, `down_proj`), with a LoRA quarantine.
+ADAPTERS = dict(
+    adapter_capacity=1,
+    adapter_rank=8,
+    adapter_targets=("*.qkv_proj", "*.o_proj", "*.gate_up_proj", "*.down_proj"),
+    adapter_lora_rank=2,
+)
 
 
 def _vec(seed: int, scale: float = 4.0) -> list[float]:
@@ -46,12 +56,25 @@ def requests() -> list[tuple[str, SamplingParams]]:
 
 
 def run(engine) -> list[dict]:
-    """Register a vector, set global steering, then run every request in one batch."""
+    """Register a vector, set global steering, load an adapter with a LoRA quarantine (on an
+    engine that serves adapters), then run every request in one batch."""
     engine.vectors.register("registered", _vec(6, 1.0))
+    if engine.adapters is not None:
+        engine.load_adapter("policy", random_state(engine.adapters, seed=11, lora=2))
     steer_all = {"layers": [1], "site": "pre_attn", "vector": _vec(7, 1.0)}
     engine.set_global_steering({"vectors": [steer_all]})
     llm = LLM(engine=engine)
-    prompts, params = zip(*requests(), strict=True)
+    reqs = requests()
+    if engine.adapters is not None:
+        greedy = dict(temperature=0.0, max_tokens=6, logprobs=3)
+        reqs += [
+            ("the quick brown fox", SamplingParams(**greedy, adapter="policy")),
+            (
+                "a small model runs on",
+                SamplingParams(**greedy, adapter="policy", adapter_variant="deploy"),
+            ),
+        ]
+    prompts, params = zip(*reqs, strict=True)
     outs = llm.generate(list(prompts), list(params))
     return [
         {
@@ -63,3 +86,27 @@ def run(engine) -> list[dict]:
         }
         for o in outs
     ]
+
+
+def refused_adapters(engine) -> dict:
+    """Load adapters that must be refused on the driver, whichever stage their fault is in;
+    then a request, to show the replica still steps in lock-step."""
+    bank = engine.adapters
+    good = random_state(bank, seed=12, lora=2)
+    last = max(bank.shapes)  # a module of the last layer: another stage's under PP
+    missing = {k: v for k, v in good.items() if k != last}
+    bad_lora = {k: dict(v) for k, v in good.items()}
+    bad_lora[last]["lora_a"] = torch.zeros(2, bank.shapes[last][1] + 1)
+    errors = {}
+    for name, state in (("missing", missing), ("bad_lora", bad_lora)):
+        try:
+            engine.load_adapter(name, state)
+        except InvalidRequestError as e:
+            errors[name] = str(e)
+    out = LLM(engine=engine).generate(["the quick brown fox"], SamplingParams(max_tokens=3))
+    return {
+        "errors": errors,
+        "tokens": out[0].outputs[0].token_ids,
+        "last": last,
+        "local": sorted(bank.modules),
+    }

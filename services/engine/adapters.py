@@ -19,6 +19,15 @@ the ablated variant, or none share one batch (and one CUDA graph), and a step wh
 uses an adapter runs no adapter op at all. Weight sync sends only the δ vectors (and a LoRA's
 two factors); loading a new version changes the signature of the positions computed under it
 from then on, so prefix-cache blocks computed under the old weights are never reused.
+
+Under tensor parallelism the basis is still the full W's: each rank gathers W from its
+group once, at attach, and keeps the part of `U`, `V` (and of a LoRA's factors) that meets
+its shard. A column-parallel Linear (`qkv_proj`, `gate_up_proj`: output rows split) keeps
+all of V and its rows of U; a row-parallel one (`o_proj`, `down_proj`: input columns split)
+its rows of V and all of U, so each rank's shrink `x_r V_r` is a partial sum, expanded
+before the Linear's all-reduce adds the partials up. Under pipeline parallelism a stage
+holds its own layers' modules and takes the other stages' entries of an adapter's state as
+theirs.
 """
 
 from __future__ import annotations
@@ -26,16 +35,23 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import InvalidRequestError, NotFoundError
 from services.engine.kernels.lowrank import lowrank_expand
+from services.engine.model.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +113,48 @@ def target_modules(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> d
     return found
 
 
+LAYER = re.compile(r"^(layers\.)(\d+)(\..+)$")
+
+
+def tp_layout(base: nn.Module, rank: int | None = None) -> tuple[str | None, torch.Tensor | None]:
+    """How `base`'s weight is split across its TP group, seen from `rank` (default: this
+    process's): `("column", rows)` (output rows split; `rows`: the rank's rows of the full
+    W, in its shard's order), `("row", cols)` (input columns split) or `(None, None)`."""
+    ctx = getattr(base, "ctx", None)
+    if ctx is None or ctx.tp_size == 1:
+        return None, None
+    rank = ctx.tp_rank if rank is None else rank
+    out_rows, in_cols = base.weight.shape
+    if isinstance(base, RowParallelLinear):
+        return "row", torch.arange(rank * in_cols, (rank + 1) * in_cols)
+    if not isinstance(base, ColumnParallelLinear):
+        raise InvalidRequestError(f"cannot adapt a split {type(base).__name__}")
+    merged = isinstance(base, MergedColumnParallelLinear)  # its parts' shards, side by side
+    sizes = base.part_sizes if merged else [out_rows]
+    fulls = base.output_sizes if merged else [out_rows * ctx.tp_size]
+    starts = [sum(fulls[:i]) + rank * n for i, n in enumerate(sizes)]
+    return "column", torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes, strict=True)])
+
+
+def full_weight(base: nn.Module) -> torch.Tensor:
+    """`base`'s whole weight, gathered from its TP group when it is split (a collective:
+    every rank of the group calls it for the same modules in the same order)."""
+    w = base.weight.data
+    split, _ = tp_layout(base)
+    if split is None:
+        return w
+    ctx = base.ctx
+    shards = [torch.empty_like(w) for _ in range(ctx.tp_size)]
+    dist.all_gather(shards, w.contiguous(), group=ctx.tp_group)
+    dim = 0 if split == "column" else 1
+    shape = list(w.shape)
+    shape[dim] *= ctx.tp_size
+    full = w.new_empty(shape)
+    for rank, shard in enumerate(shards):
+        full.index_copy_(dim, tp_layout(base, rank)[1].to(w.device), shard)
+    return full
+
+
 @dataclass
 class LoadedAdapter:
     name: str
@@ -128,7 +186,16 @@ class AdaptedLinear(nn.Module):
         super().__init__()
         self.base, self.bank, self.name = base, bank, name
         self.rank = rank
-        u, _, v = svd_basis(base.weight, rank)
+        full = full_weight(base)
+        self.full_shape: tuple[int, int] = tuple(full.shape)  # [out, in] of the whole W
+        u, _, v = svd_basis(full, rank)
+        del full
+        # Under TP: which rows of U (column-split) or of V (row-split) meet this shard.
+        self.split, self.index = tp_layout(base)
+        if self.split == "column":
+            u = u[self.index]
+        elif self.split == "row":
+            v = v[self.index]
         weight = base.weight.data
         dtype, device = weight.dtype, weight.device
         self.out_features = weight.shape[0]
@@ -153,8 +220,18 @@ class AdaptedLinear(nn.Module):
         if rows is None:
             return self.base(x)
         y = lowrank_expand(F.linear(x, self.weight_cat), self.basis_out, self.coef, rows)
+        if self.split == "row":  # each rank's part of x Wᵀ and of the shrink: add them up
+            y = self.base.ctx.all_reduce(y)
         bias = getattr(self.base, "bias", None)
         return y + bias if bias is not None else y
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA's whole factors (`A [k, in]`, `B [out, k]`)."""
+        if self.split == "column":
+            return a, b[self.index.to(b.device)]
+        if self.split == "row":
+            return a[:, self.index.to(a.device)], b
+        return a, b
 
     def lora_columns(self, slot: int, k_max: int) -> slice:
         """Slot `slot`'s block of LoRA columns."""
@@ -212,7 +289,10 @@ class AdapterBank:
         if lora_rank < 0:
             raise InvalidRequestError(f"adapter_lora_rank must be >= 0, got {lora_rank}")
         self.capacity, self.rank, self.targets = capacity, rank, tuple(targets)
-        self.modules: dict[str, AdaptedLinear] = {}
+        self.modules: dict[str, AdaptedLinear] = {}  # this process's, wrapped
+        # Every target module of the whole model (every pipeline stage's) -> its whole
+        # `(out, in)`: what an adapter's state must name, and a LoRA's factors' shapes.
+        self.shapes: dict[str, tuple[int, int]] = {}
         self.loaded: dict[str, LoadedAdapter] = {}
         self.lora_rank = lora_rank  # k_max: LoRA columns per slot in every module
         self.layout_version = 0  # bumped when the LoRA columns are re-laid (new buffers)
@@ -222,30 +302,36 @@ class AdapterBank:
         self._versions = 0
 
     def attach(self, model: nn.Module) -> None:
-        """Wrap the model's target Linears (after its weights are loaded)."""
-        for name, module in target_modules(model, self.targets).items():
-            if getattr(getattr(module, "ctx", None), "tp_size", 1) > 1:
-                raise InvalidRequestError(
-                    "adapters need the full weight of each target Linear: tp_size must be 1"
-                )
+        """Wrap the model's target Linears (after its weights are loaded; under TP every
+        rank of the group attaches at once: each gathers the whole weights). On a pipeline
+        stage, the same modules of the other stages' layers are known by name, so an
+        adapter's state names every layer of the model."""
+        found = target_modules(model, self.targets)
+        num_layers = getattr(getattr(model, "cfg", None), "num_layers", None)
+        for name, module in found.items():
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             wrapped = AdaptedLinear(module, self, name, self.rank, self.lora_rank)
             setattr(parent, leaf, wrapped)
             self.modules[name] = wrapped
+            layer = LAYER.match(name)
+            for i in range(num_layers) if layer and num_layers else ():
+                self.shapes[f"{layer[1]}{i}{layer[3]}"] = wrapped.full_shape
+            self.shapes[name] = wrapped.full_shape
 
     def load(self, name: str, state: dict[str, dict[str, torch.Tensor]]) -> LoadedAdapter:
         """Install (or replace) adapter `name` from `{module: {"kept": δS, "quarantine": δS_q,
         "lora_a": A_q, "lora_b": B_q}}` (quarantine optional; the LoRA, `A_q [k, in]` and
         `B_q [out, k]`, given for every module or none). Every target module must be given;
         returns the new version."""
-        missing = sorted(set(self.modules) - set(state))
-        unknown = sorted(set(state) - set(self.modules))
+        missing = sorted(set(self.shapes) - set(state))
+        unknown = sorted(set(state) - set(self.shapes))
         if missing or unknown:
             raise InvalidRequestError(
                 f"adapter {name!r}: state must cover exactly the target modules; "
                 f"missing {missing[:3]}, unknown {unknown[:3]}"
             )
+        # Every entry is checked, this stage's or not, so every stage accepts or refuses alike.
         deltas, loras = {}, {}
         for module, parts in state.items():
             bad = sorted(set(parts) - set(STATE_PARTS))
@@ -267,10 +353,11 @@ class AdapterBank:
             deltas[module] = {"trained": kept + quarantine, "deploy": kept}
             if "lora_a" in parts or "lora_b" in parts:
                 loras[module] = self._lora_factors(name, module, parts)
-        if loras and len(loras) != len(state):
+        with_lora = sum("lora_a" in p or "lora_b" in p for p in state.values())
+        if with_lora and with_lora != len(state):
             raise InvalidRequestError(
                 f"adapter {name!r}: a LoRA quarantine must be given for every target module "
-                f"or none; {len(loras)} of {len(state)} have one"
+                f"or none; {with_lora} of {len(state)} have one"
             )
         ranks = {a.shape[0] for a, _ in loras.values()}
         if len(ranks) > 1:
@@ -299,14 +386,17 @@ class AdapterBank:
             self.lora_rank = entry.lora_rank
             self.layout_version += 1
         for module, by_variant in deltas.items():
-            target = self.modules[module]
+            target = self.modules.get(module)
+            if target is None:  # another pipeline stage's
+                continue
             lora = target.lora_columns(entry.slot, self.lora_rank)
             for variant, row in entry.rows.items():
                 target.coef[row] = 0
                 target.coef[row, : self.rank] = by_variant[variant].to(target.coef.dtype)
             if entry.lora_rank:  # the LoRA term belongs to the trained variant only
                 target.coef[entry.rows["trained"], lora.start : lora.start + entry.lora_rank] = 1
-            target.set_lora(entry.slot, self.lora_rank, loras.get(module))
+            ab = loras.get(module)
+            target.set_lora(entry.slot, self.lora_rank, target.shard_lora(*ab) if ab else None)
         self._versions += 1
         entry.version = self._versions
         self.loaded[name] = entry
@@ -315,12 +405,12 @@ class AdapterBank:
     def _lora_factors(
         self, name: str, module: str, parts: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One module's validated `(A [k, in], B [out, k])` in the module's dtype."""
-        target = self.modules[module]
-        out_f, in_f = target.weight.shape
+        """One module's validated whole `(A [k, in], B [out, k])`, in the serving dtype."""
+        out_f, in_f = self.shapes[module]
+        some = next(iter(self.modules.values()))
         if "lora_a" not in parts or "lora_b" not in parts:
             raise InvalidRequestError(f"adapter {name!r}: {module} needs both lora_a and lora_b")
-        dtype, device = target.basis_in.dtype, target.basis_in.device
+        dtype, device = some.basis_in.dtype, some.basis_in.device
         a = torch.as_tensor(parts["lora_a"]).detach().to(device, dtype)
         b = torch.as_tensor(parts["lora_b"]).detach().to(device, dtype)
         k = a.shape[0] if a.dim() == 2 else 0

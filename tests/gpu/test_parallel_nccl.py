@@ -15,7 +15,9 @@ from services.engine.model.tiny import make_tiny_checkpoint
 from tests import parallel_workload
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-CONFIG = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=16)
+CONFIG = EngineConfig(
+    device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=16, **parallel_workload.ADAPTERS
+)
 
 
 @pytest.fixture(scope="module")

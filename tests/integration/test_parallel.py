@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism on CPU (gloo): a replica of 2 or 4 processes gives the same
 tokens, logprobs, read-outs and captures as one process, with steering (per request, global,
-registry names), capture and patching all active in one batch."""
+registry names), capture, patching and an adapter (trained and deploy variants, LoRA
+quarantine) all active in one batch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from services.engine import EngineConfig, LLMEngine
 from services.engine.distributed import launch_local
 from tests import parallel_workload
 
-CONFIG = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=16)
+CONFIG = EngineConfig(
+    device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=16, **parallel_workload.ADAPTERS
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +67,20 @@ def test_parallel_replica_matches_one_process(checkpoint, reference, tp, pp):
     assert steered != plain
     assert reference[4]["samples"][0][2] and "late" in reference[4]["samples"][0][2][0]
     assert len(reference[2]["captures"]) == parallel_workload.LAYERS + 2
+    adapted, deployed = reference[6]["samples"][0][1], reference[7]["samples"][0][1]
+    assert adapted != plain and deployed != reference[2]["samples"][0][1]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_bad_adapter_is_refused_on_the_driver_for_any_stage(checkpoint, tp, pp):
+    """The driver checks every module's entry of an adapter's state, its own stage's or
+    not, against the whole model's shapes: a fault in another stage's layer is refused
+    with its cause before any rank installs anything, and the replica goes on."""
+    got = launch_local(
+        str(checkpoint), tp, pp, parallel_workload.refused_adapters, engine_config=CONFIG
+    )
+    assert pp == 1 or got["last"] not in got["local"]  # the fault sits on the other stage
+    assert "state must cover exactly the target modules" in got["errors"]["missing"]
+    assert got["last"] in got["errors"]["missing"]
+    assert "needs lora_a [k, " in got["errors"]["bad_lora"]
+    assert len(got["tokens"]) == 3
