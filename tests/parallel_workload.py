@@ -110,3 +110,18 @@ def refused_adapters(engine) -> dict:
         "last": last,
         "local": sorted(bank.modules),
     }
+
+
+def diverge(engine) -> str:
+    """Change the driver's steering state behind its peers' backs (an applied-action count
+    no rank replays), then step: the replica must refuse to go on."""
+    from services.engine.distributed import ReplicaDivergedError
+
+    engine.add_request("r", "the quick brown fox", SamplingParams(max_tokens=4))
+    engine.step()
+    engine.interventions.counters.applied["untracked"] += 1
+    try:
+        engine.step()
+    except ReplicaDivergedError as e:
+        return str(e)
+    return "no error"

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 # Idle worker ranks wait in a broadcast until the driver's next step, which can be hours.
 IDLE_TIMEOUT = timedelta(days=7)
+STOP = -1  # the length the driver broadcasts at the top of a step to shut the replica down
+NO_TOKEN = -1  # a row that sampled nothing this step (a prefill chunk), in a token tensor
 
 
 class ReplicaDivergedError(RuntimeError):
@@ -130,19 +132,36 @@ class StepSync:
 
     def exchange(self, engine: LLMEngine) -> list[tuple[str, Action]]:
         """The top of a step (call under `lock`): the driver broadcasts its changes and the
-        actions it drained; other ranks replay the changes. Returns the actions to apply."""
-        box: list[Any] = [None]
+        actions it drained; other ranks replay the changes. Returns the actions to apply.
+
+        One broadcast of the pickle's length, and a second of the pickle only when there is
+        something to say: a steady decode step costs one collective (`STOP`: the driver
+        shut the replica down)."""
+        data = b""
         if self.is_driver:
-            box[0] = (self._outbox, engine.interventions.queue.drain())
+            changes, actions = self._outbox, engine.interventions.queue.drain()
             self._outbox = []
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        if box[0] is None:
+            if changes or actions:
+                data = pickle.dumps((changes, actions))
+        size = torch.tensor([len(data)], dtype=torch.long)
+        dist.broadcast(size, src=0, group=self.group)
+        n = int(size.item())
+        if n == STOP:
             self.stopped = True
             raise ReplicaStopped
-        changes, actions = box[0]
-        if not self.is_driver:
-            for kind, payload in changes:
-                engine.replay(kind, payload)
+        if n == 0:
+            return []
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.is_driver
+            else torch.empty(n, dtype=torch.uint8)
+        )
+        dist.broadcast(buf, src=0, group=self.group)
+        if self.is_driver:
+            return actions
+        changes, actions = pickle.loads(buf.numpy().tobytes())
+        for kind, payload in changes:
+            engine.replay(kind, payload)
         return actions
 
     def finish_step(
@@ -151,6 +170,8 @@ class StepSync:
         """After the forward: share the sampled tokens and each stage's captures, scores and
         gate firings; check every rank's steering state matches."""
         ctx = self.ctx
+        if ctx.pp_size == 1:
+            return self._finish_tp_step(engine, result)
         part: dict[str, Any] = {"digest": engine.interventions.state_digest()}
         if ctx.rank == self.result_rank:
             part["result"] = result
@@ -181,11 +202,34 @@ class StepSync:
                     plan.fired = plan.fired | p["fired"]
         return parts[self.result_rank]["result"]
 
+    def _finish_tp_step(self, engine: LLMEngine, result: StepResult) -> StepResult:
+        """`finish_step` of a replica that is one pipeline stage: every rank computed the
+        whole step (captures, scores and firings included), so one all-gather of a small
+        tensor carries each rank's steering-state digest and the driver's sampled tokens,
+        which every rank then takes as its own: the ranks sample from the same gathered
+        logits, and this keeps them in lock-step even if a sampler were not deterministic."""
+        digest = engine.interventions.state_digest()
+        tokens = [NO_TOKEN if t is None else t for t in result.sampled]
+        mine = torch.tensor(
+            list(int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)) + tokens,
+            dtype=torch.long,
+        )
+        parts = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
+        dist.all_gather(parts, mine, group=self.group)
+        bad = [r for r, p in enumerate(parts) if not torch.equal(p[:2], parts[0][:2])]
+        if bad:
+            raise ReplicaDivergedError(
+                f"ranks {bad} of this replica hold different steering state than rank 0"
+            )
+        if not self.is_driver:
+            result.sampled = [None if t == NO_TOKEN else t for t in parts[0][2:].tolist()]
+        return result
+
     def stop(self) -> None:
         """Driver: release the other ranks from their step loops (they raise ReplicaStopped)."""
         if self.is_driver and not self.stopped:
             self.stopped = True
-            dist.broadcast_object_list([None], src=0, group=self.group)
+            dist.broadcast(torch.tensor([STOP], dtype=torch.long), src=0, group=self.group)
 
 
 def run_worker(engine: LLMEngine) -> None:

@@ -84,3 +84,11 @@ def test_a_bad_adapter_is_refused_on_the_driver_for_any_stage(checkpoint, tp, pp
     assert got["last"] in got["errors"]["missing"]
     assert "needs lora_a [k, " in got["errors"]["bad_lora"]
     assert len(got["tokens"]) == 3
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_rank_whose_steering_state_drifted_fails_the_step(checkpoint, tp, pp):
+    """Every step compares each rank's steering-state digest (one small all-gather under
+    TP, with the driver's tokens; the object exchange under PP)."""
+    got = launch_local(str(checkpoint), tp, pp, parallel_workload.diverge, engine_config=CONFIG)
+    assert got == "ranks [1] of this replica hold different steering state than rank 0"
