@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, PatchPassUnavailableError
 from services.engine import LLM, SamplingParams
 from tests.adapter_states import random_state
 
@@ -123,5 +123,33 @@ def diverge(engine) -> str:
     try:
         engine.step()
     except ReplicaDivergedError as e:
+        return str(e)
+    return "no error"
+
+
+def sweep(engine) -> dict:
+    """A causal-tracing sweep at three sites of every layer, through layered patch passes
+    (on a TP replica every rank runs each pass's forward): the grid and the passes run."""
+    from services.engine.study import PatchStudy
+
+    study = PatchStudy(engine)
+    study.capture_clean("the quick brown fox", sites=["pre_attn", "post_attn", "post_block"])
+    res = study.sweep(
+        "the slow brown fox",
+        answer=5,
+        foil=7,
+        sites=["pre_attn", "post_attn", "post_block"],
+    )
+    return {"grid": res.grid, "corrupt": res.corrupt, "passes": engine.num_patch_passes}
+
+
+def pass_refused(engine) -> str:
+    from services.engine.model.patch_pass import PassCell, PassJob
+
+    ids = engine.tokenizer.encode("the slow brown fox")
+    job = PassJob(ids, [PassCell(0, "post_block", 1, 1)], token_ids=[5], clean_ids=ids)
+    try:
+        engine.run_patch_pass(job)
+    except PatchPassUnavailableError as e:
         return str(e)
     return "no error"

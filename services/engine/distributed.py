@@ -6,6 +6,8 @@ each step it broadcasts what changed since the last one: the requests it admitte
 resolved: steering, patch sources and captures are resolved on the driver only), aborts,
 vector-registry changes and the controller actions it drained. Every other rank replays that
 list, so all ranks make the same scheduling and steering decisions with no further talk.
+A patch pass (`LLMEngine.run_patch_pass`, TP only) travels the same way in place of a step:
+each rank runs its forward with the driver.
 
 After the forward pass the ranks exchange what only some of them computed: the sampled
 tokens of the last stage, and each stage's captures, read-out scores and gate firings. With
@@ -19,6 +21,7 @@ Collectives: the model's all-reduces and the stage-to-stage hand-off use the dev
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import pickle
@@ -38,6 +41,7 @@ from services.engine.parallel import ParallelContext
 if TYPE_CHECKING:
     from services.engine.interventions.planner import StepInterventions
     from services.engine.llm_engine import LLMEngine
+    from services.engine.model.patch_pass import PassJob
     from services.engine.model_runner import StepResult
 
 # Idle worker ranks wait in a broadcast until the driver's next step, which can be hours.
@@ -130,9 +134,13 @@ class StepSync:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
-    def exchange(self, engine: LLMEngine) -> list[tuple[str, Action]]:
+    def exchange(
+        self, engine: LLMEngine, job: PassJob | None = None
+    ) -> tuple[list[tuple[str, Action]], PassJob | None]:
         """The top of a step (call under `lock`): the driver broadcasts its changes and the
-        actions it drained; other ranks replay the changes. Returns the actions to apply.
+        actions it drained; other ranks replay the changes. Returns the actions to apply,
+        and the patch pass the driver runs instead of a step (`job`, driver only: a TP
+        replica's ranks run the pass's forward together, between steps).
 
         One broadcast of the pickle's length, and a second of the pickle only when there is
         something to say: a steady decode step costs one collective (`STOP`: the driver
@@ -141,8 +149,10 @@ class StepSync:
         if self.is_driver:
             changes, actions = self._outbox, engine.interventions.queue.drain()
             self._outbox = []
-            if changes or actions:
-                data = pickle.dumps((changes, actions))
+            if changes or actions or job is not None:
+                if job is not None and job.source_rows is not None:  # the ranks' own devices
+                    job = dataclasses.replace(job, source_rows=job.source_rows.cpu())
+                data = pickle.dumps((changes, actions, job))
         size = torch.tensor([len(data)], dtype=torch.long)
         dist.broadcast(size, src=0, group=self.group)
         n = int(size.item())
@@ -150,7 +160,7 @@ class StepSync:
             self.stopped = True
             raise ReplicaStopped
         if n == 0:
-            return []
+            return [], None
         buf = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8)
             if self.is_driver
@@ -158,11 +168,11 @@ class StepSync:
         )
         dist.broadcast(buf, src=0, group=self.group)
         if self.is_driver:
-            return actions
-        changes, actions = pickle.loads(buf.numpy().tobytes())
+            return actions, None
+        changes, actions, job = pickle.loads(buf.numpy().tobytes())
         for kind, payload in changes:
             engine.replay(kind, payload)
-        return actions
+        return actions, job
 
     def finish_step(
         self, engine: LLMEngine, result: StepResult, plan: StepInterventions | None

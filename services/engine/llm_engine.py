@@ -6,11 +6,12 @@ check stop conditions → emit outputs for every request that changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -371,7 +372,12 @@ class LLMEngine:
             self.interventions.apply_actions()  # issued during the previous step: apply now
         else:
             with self.sync.lock:
-                self.interventions.apply_actions(self.sync.exchange(self))
+                actions, job = self.sync.exchange(self)
+                self.interventions.apply_actions(actions)
+            if job is not None:  # a worker rank: the driver runs a patch pass, not a step
+                with contextlib.suppress(PatchPassUnavailableError):  # the driver says why
+                    self._patch_pass(job)
+                return []
         overlap = self._can_overlap()
         outputs: list[RequestDelta] = []
         if not overlap:
@@ -607,8 +613,8 @@ class LLMEngine:
 
     def patch_pass_unavailable(self) -> str | None:
         """Why `run_patch_pass` cannot run on this engine now, in words (None: it can)."""
-        if self.sync is not None or self.runner.ctx.world_size > 1:
-            return "the replica spans several processes (tensor or pipeline parallel)"
+        if self.runner.ctx.pp_size > 1:
+            return "the replica spans several pipeline stages"
         if self.interventions.steers_prefill_globally():
             return "global prefill steering is installed, and a pass applies no steering"
         return None
@@ -616,18 +622,29 @@ class LLMEngine:
     def run_patch_pass(self, job: PassJob) -> PassResult:
         """Run one layered patching pass (`model/patch_pass.py`) between steps: the corrupt
         prompt, the clean one and every cell of `job` in one forward. Pending actions apply
-        first, as at the top of a step; InvalidRequestError if a pass cannot run here."""
-        why = self.patch_pass_unavailable()
-        if why is None:  # a one-process replica applies its own queue
-            self.interventions.apply_actions()
-            why = self.patch_pass_unavailable()
-        if why is not None:
-            raise PatchPassUnavailableError(f"a patch pass cannot run on this engine: {why}")
+        first, as at the top of a step (on a tensor-parallel replica the driver sends them
+        with the job, and every rank runs the pass's forward with it); InvalidRequestError
+        if a pass cannot run here."""
         H = self.model_config.hidden_size
         if job.source_rows is not None and job.source_rows.shape[-1] != H:
             raise InvalidRequestError(
                 f"patch rows have width {job.source_rows.shape[-1]}, the model's hidden size is {H}"
             )
+        if self.sync is None:  # a one-process replica applies its own queue
+            self.interventions.apply_actions()
+        elif self.runner.ctx.pp_size == 1:
+            with self.sync.lock:
+                actions, _ = self.sync.exchange(self, job)
+                self.interventions.apply_actions(actions)
+        return self._patch_pass(job)
+
+    def _patch_pass(self, job: PassJob) -> PassResult:
+        """The pass itself, after the checks every rank makes alike."""
+        why = self.patch_pass_unavailable()
+        if why is not None:
+            raise PatchPassUnavailableError(f"a patch pass cannot run on this engine: {why}")
+        if job.source_rows is not None:
+            job = replace(job, source_rows=job.source_rows.to(self.device))
         result = run_patch_pass(self.runner.model, job)
         self.num_patch_passes += 1
         self.num_patch_pass_tokens += job.num_tokens
