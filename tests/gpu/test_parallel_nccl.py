@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,3 +41,14 @@ def test_nccl_replica_matches_one_gpu(checkpoint, tp, pp):
                 assert all(math.isclose(a[k], b[k], abs_tol=1e-3) for k in b)
         for key, t in (r["captures"] or {}).items():
             torch.testing.assert_close(g["captures"][key], t, atol=1e-3, rtol=0)
+
+
+def test_nccl_tp_sweep_runs_patch_passes_like_one_gpu(checkpoint):
+    """Each layered patch pass runs on both TP ranks (all-reduces over NCCL), between steps."""
+    want = parallel_workload.sweep(LLMEngine(checkpoint, CONFIG))
+    got = launch_local(
+        str(checkpoint), 2, 1, parallel_workload.sweep, engine_config=CONFIG, device_type="cuda"
+    )
+    assert want["passes"] > 0 and got["passes"] == want["passes"]
+    assert math.isclose(got["corrupt"], want["corrupt"], abs_tol=1e-3)
+    np.testing.assert_allclose(got["grid"], want["grid"], atol=1e-3, rtol=0)
