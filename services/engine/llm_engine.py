@@ -375,7 +375,8 @@ class LLMEngine:
                 actions, job = self.sync.exchange(self)
                 self.interventions.apply_actions(actions)
             if job is not None:  # a worker rank: the driver runs a patch pass, not a step
-                with contextlib.suppress(PatchPassUnavailableError):  # the driver says why
+                # A refusal is the driver's to report; every rank makes it at the same point.
+                with contextlib.suppress(InvalidRequestError):
                     self._patch_pass(job)
                 return []
         overlap = self._can_overlap()
