@@ -44,6 +44,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -168,6 +169,11 @@ CONFIG_KEYS = (
 RECORD_DEFAULTS = {"hack_pairs": "contrastive", "quarantine": "svd", "device": "cpu"}
 
 
+def recorded(record: dict, key: str) -> Any:
+    """`record[key]`, or what its absence meant (`RECORD_DEFAULTS`)."""
+    return record.get(key, RECORD_DEFAULTS.get(key))
+
+
 def plan(args: argparse.Namespace) -> list[Run]:
     """Every trained run, base by base, arm by arm, seed by seed (`base` is not trained: it is
     read off the vanilla runs' step 0)."""
@@ -280,8 +286,9 @@ def earlier_records(path: Path, common: dict) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for r in records:
-        recorded = {k: r.get(k, RECORD_DEFAULTS.get(k)) for k in CONFIG_KEYS}
-        differ = {k: (v, common[k]) for k, v in recorded.items() if v != common[k]}
+        differ = {
+            k: (recorded(r, k), common[k]) for k in CONFIG_KEYS if recorded(r, k) != common[k]
+        }
         if differ and r["arm"] != "base":  # a `base` record's steps are 0
             raise SystemExit(
                 f"--resume: {path} has a run of another configuration (recorded, now): {differ}"
@@ -417,9 +424,9 @@ def report(records: list[dict], png: Path) -> None:
     print(
         f"\nenv {first['env']}, {bases} base(s), {len(records)} records, {first['steps']} GRPO "
         f"steps, {first['optimizer']} lr {first['lr']}, tau {first['tau']}, {first['split']} "
-        f"split, {first.get('hack_pairs', 'contrastive')} hack pairs, rank {first['rank']} on "
-        f"{first['targets']}, {first.get('quarantine', 'svd')} quarantine, device "
-        f"{first.get('device', 'cpu')}; revision {', '.join(revs)}"
+        f"split, {recorded(first, 'hack_pairs')} hack pairs, rank {first['rank']} on "
+        f"{first['targets']}, {recorded(first, 'quarantine')} quarantine, device "
+        f"{recorded(first, 'device')}; revision {', '.join(revs)}"
     )
     print(vanilla_emergence(records))
     print("means with 95% t-intervals over runs")

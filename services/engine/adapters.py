@@ -136,11 +136,10 @@ def tp_layout(base: nn.Module, rank: int | None = None) -> tuple[str | None, tor
     return "column", torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes, strict=True)])
 
 
-def full_weight(base: nn.Module) -> torch.Tensor:
-    """`base`'s whole weight, gathered from its TP group when it is split (a collective:
-    every rank of the group calls it for the same modules in the same order)."""
+def full_weight(base: nn.Module, split: str | None) -> torch.Tensor:
+    """`base`'s whole weight, gathered from its TP group when it is split (`tp_layout`; a
+    collective: every rank of the group calls it for the same modules in the same order)."""
     w = base.weight.data
-    split, _ = tp_layout(base)
     if split is None:
         return w
     ctx = base.ctx
@@ -186,12 +185,12 @@ class AdaptedLinear(nn.Module):
         super().__init__()
         self.base, self.bank, self.name = base, bank, name
         self.rank = rank
-        full = full_weight(base)
+        # Under TP: which rows of U (column-split) or of V (row-split) meet this shard.
+        self.split, self.index = tp_layout(base)
+        full = full_weight(base, self.split)
         self.full_shape: tuple[int, int] = tuple(full.shape)  # [out, in] of the whole W
         u, _, v = svd_basis(full, rank)
         del full
-        # Under TP: which rows of U (column-split) or of V (row-split) meet this shard.
-        self.split, self.index = tp_layout(base)
         if self.split == "column":
             u = u[self.index]
         elif self.split == "row":

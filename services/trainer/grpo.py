@@ -564,13 +564,8 @@ class GRPOTrainer:
                     flagged = placebo
                     leakage = apply_gradient_mask(adapters, grads, flagged, mode, cfg.route_split)
         elif cfg.arm == "activation":
-            assert self.direction is not None
-            if placebo is None and cfg.activation_space == "residual":
-                flagged, scores = self._probe_flags(rolled)
-            elif placebo is None:
-                flagged, scores = activation_flags(
-                    self.model, adapters, batch, self.direction, cfg.tau
-                )
+            if placebo is None:
+                flagged, scores = self._decide(batch, rolled, loss_of)
             else:
                 flagged = placebo
             with adapters.mask_rollouts(flagged, mode="route"):
