@@ -1,7 +1,7 @@
 # Coxswain: `make demo` sets everything up and runs the main job; `make test` runs the tests.
 PY ?= python3
 
-.PHONY: setup demo test lint proto gpu-test device-wheels
+.PHONY: setup demo test lint proto gpu-test offline-bundle device-wheels
 
 # System packages: redis-server (the controller and `coxswain up`; tests start their own) and
 # chromium (the dashboard's browser test), from Debian when missing and we may install them.
@@ -49,12 +49,13 @@ proto:
 gpu-test:
 	PYTHONPATH=. $(PY) -m pytest -q tests/gpu
 
-# Wheels for an offline CUDA machine whose Python lacks our pure-Python deps (the device
-# tool's has torch/triton/transformers but not pydantic, redis or the HTTP gateway's
-# fastapi/uvicorn/sse-starlette): carry .device/ and run there
-# `pip install --no-index --find-links .device/wheels --target /tmp/site pydantic redis fastapi uvicorn sse-starlette`.
-device-wheels:
-	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-		-d .device/wheels "pydantic>=2.6" "redis>=5.0" "fastapi>=0.115" "uvicorn>=0.30" \
-		"sse-starlette>=2.1"
+# Everything a CUDA host without internet access needs beside its own PyTorch, built into
+# .device/ on a machine with it (same arch, Debian/Ubuntu for redis-server): the wheels of
+# deploy/offline/requirements.txt, Ray trimmed to Serve (ray.tar.xz) and redis-server. On the
+# host: `deploy/offline/install.sh` (README: "GPU hosts without internet access").
+PYVER ?= 3.12
+
+offline-bundle:
+	PY=$(PY) PYVER=$(PYVER) bash deploy/offline/build.sh
+
+device-wheels: offline-bundle
