@@ -487,10 +487,18 @@ def build_parser() -> argparse.ArgumentParser:
     which = upp.add_mutually_exclusive_group()
     which.add_argument("--model", help="a local Hugging Face checkpoint directory")
     which.add_argument("--tiny", action="store_true", help="the embedded tiny model (default)")
-    upp.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    upp.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks per replica (on one node)"
+    )
     upp.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
     upp.add_argument("--replicas", type=int, default=1, help="engine replicas")
-    upp.add_argument("--device", default="auto")
+    upp.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, or auto (cuda when a GPU is visible). On cuda each engine rank gets "
+        "a GPU of its own: --replicas × --tp × --pp GPUs, counted before anything starts "
+        "(CUDA_VISIBLE_DEVICES limits which)",
+    )
     upp.add_argument("--dtype", default="auto")
     upp.add_argument(
         "--host",

@@ -13,7 +13,9 @@ exactly what this `up` started and nothing else on the host:
   cluster, workers included, carries that session id, which is how `down` finds them. (`ray
   stop` would stop every Ray on the host.)
 - the Serve application (gateway, engine replicas, patch store, controller). HTTP, the
-  engine gRPC front and the controller's gRPC bind `--host` (loopback unless widened).
+  engine gRPC front and the controller's gRPC bind `--host` (loopback unless widened). On
+  CUDA every engine rank holds a GPU of its own (`--replicas` × `--tp` × `--pp` in all), which
+  `up` counts before it starts anything.
 
 Everything lives in the cluster directory (`$COXSWAIN_HOME/cluster`, default
 `~/.cache/coxswain/cluster`, mode 0700). Files holding secrets (state.json, api_keys,
@@ -23,6 +25,7 @@ redis.conf) are created 0600. API keys are kept across `up` runs unless `--new-k
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -384,11 +387,52 @@ def _clear_state() -> None:
         (cluster_dir() / name).unlink(missing_ok=True)
 
 
+def visible_gpus() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies): the ones the Ray head
+    that `up` starts here will find."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve_device(opts: UpOptions, gpus: int) -> str:
+    """The device of the engine replicas, "cpu" or "cuda" ("auto": cuda when this machine
+    has `gpus` > 0), once it is sure the GPUs they need are there: one per rank."""
+    if opts.device == "cpu":
+        return "cpu"
+    if opts.device.startswith("cuda:"):
+        raise InvalidRequestError(
+            f"--device {opts.device}: Ray gives each engine rank a GPU of its own; use "
+            "--device cuda (CUDA_VISIBLE_DEVICES chooses which GPUs the cluster may use)"
+        )
+    if opts.device not in ("cuda", "auto"):
+        raise InvalidRequestError(f"--device must be cpu, cuda or auto, got {opts.device!r}")
+    if gpus == 0:
+        if opts.device == "auto":
+            return "cpu"
+        raise InvalidRequestError(
+            "--device cuda: no CUDA device is visible on this machine "
+            "(torch.cuda.device_count() is 0)"
+        )
+    need = opts.replicas * opts.tp * opts.pp
+    if need > gpus:
+        chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise InvalidRequestError(
+            f"--replicas {opts.replicas} × --tp {opts.tp} × --pp {opts.pp} needs {need} GPUs; "
+            f"this machine has {gpus}"
+            + (f" (CUDA_VISIBLE_DEVICES={chosen})" if chosen is not None else "")
+            + ("; --device cpu runs without them" if opts.device == "auto" else "")
+        )
+    return "cuda"
+
+
 def up(opts: UpOptions) -> dict[str, Any]:
     """Start the local cluster; returns what `coxswain up` prints (URLs, keys)."""
-    _use_ray_token_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
     if opts.tp < 1 or opts.pp < 1 or opts.replicas < 1:
         raise InvalidRequestError("--tp, --pp and --replicas must be >= 1")
+    gpus = 0 if opts.device == "cpu" else visible_gpus()
+    opts = dataclasses.replace(opts, device=resolve_device(opts, gpus))
+    _use_ray_token_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
     running = running_cluster()
     if running is not None:
         return {**running, "already_running": True}
@@ -449,7 +493,7 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
             "bind_host": opts.host,
             "patch_store_budget_gb": opts.patch_store_budget_gb,
             "engine_replicas": opts.replicas,
-            "num_gpus_per_rank": 1 if opts.device.startswith("cuda") else 0,
+            "num_gpus_per_rank": 1 if opts.device == "cuda" else 0,
         }
         app = build_app(args)  # the first engine replica starts the store and controller
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

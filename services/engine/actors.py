@@ -6,18 +6,39 @@ different nodes: rank 0 names a free port on its own node, then every rank joins
 process group there. Any rank dying breaks the replica; `EngineReplica.check()` raises then,
 and whoever owns the replica (the Serve deployment) replaces the whole group.
 
+Built inside a placement group (a Serve replica's: its own bundle first, then one per rank),
+rank r takes bundle r + 1, so the group sits where the placement group was reserved (one
+node under STRICT_PACK) and each rank holds the GPU of its bundle; Ray then shows each rank
+only that GPU, its `cuda:0`. Built outside one, the ranks ask Ray for `num_gpus_per_rank`
+each, wherever it has them.
+
 Ray is imported only when a replica is built.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.common.errors import ServiceUnavailableError
+from services.common.errors import InvalidRequestError, ServiceUnavailableError
 from services.common.net import free_port
+
+
+def process_placement() -> dict[str, Any]:
+    """Where this Ray worker runs: its node, the GPU ids Ray gave it, the
+    CUDA_VISIBLE_DEVICES Ray set from them (physical indices) and its placement group."""
+    import ray
+
+    pg = ray.util.get_current_placement_group()
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "placement_group": pg.id.hex() if pg is not None else None,
+    }
 
 
 class EngineRank:
@@ -77,6 +98,9 @@ class EngineRank:
     def alive(self) -> bool:
         return self._worker is None or self._worker.is_alive()
 
+    def placement(self) -> dict[str, Any]:
+        return {"rank": self.rank, **process_placement()}
+
     # -- rank 0: the EngineService, method by method ----------------------------------------
 
     async def generate(self, prompt: Any, params: Any, request_id: str | None = None):
@@ -123,8 +147,9 @@ class EngineReplica:
                 namespace="coxswain",
                 num_gpus=num_gpus_per_rank,
                 num_cpus=num_cpus_per_rank,
+                scheduling_strategy=strategy,
             ).remote(rank, tp_size, pp_size)
-            for rank in range(world)
+            for rank, strategy in enumerate(_rank_strategies(world))
         ]
         init_method = ray.get(self.ranks[0].address.remote())
         ray.get(
@@ -141,6 +166,12 @@ class EngineReplica:
             ]
         )
         self.driver = self.ranks[0]
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each rank runs (`process_placement`, with its `rank`)."""
+        import ray
+
+        return ray.get([r.placement.remote() for r in self.ranks], timeout=30)
 
     def check(self) -> None:
         """Raise ServiceUnavailableError unless every rank is alive and stepping."""
@@ -173,3 +204,24 @@ class EngineReplica:
 
         for r in self.ranks:
             ray.kill(r)
+
+
+def _rank_strategies(world: int) -> list[Any]:
+    """Each rank's scheduling strategy: bundle r + 1 of the placement group this replica is
+    built in (bundle 0 holds its owner, the Serve replica), else Ray's default."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        return ["DEFAULT"] * world
+    if pg.bundle_count != world + 1:
+        raise InvalidRequestError(
+            f"an engine replica of {world} ranks needs a placement group of {world + 1} "
+            f"bundles (its own, then one per rank), got {pg.bundle_count}: give the "
+            "Engine deployment's placement_group_bundles one bundle per rank after its own"
+        )
+    return [
+        PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r + 1)
+        for r in range(world)
+    ]

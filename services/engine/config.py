@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.errors import InvalidRequestError
 from services.engine.interventions.sites import SITES
 
+# (`max_num_seqs`, `max_num_batched_tokens`) of an engine that leaves them unset, by device
+# type: a GPU step has room for a far larger batch than a CPU one (vLLM's GPU defaults).
+BATCH_LIMITS = {"cpu": (64, 2048), "cuda": (256, 8192)}
+
 
 @dataclass
 class EngineConfig:
-    """How an engine replica runs. Defaults suit the tiny CPU models of tests and demos.
+    """How an engine replica runs. Defaults suit the tiny CPU models of tests and demos;
+    `max_num_seqs` and `max_num_batched_tokens` left None are sized for the device the engine
+    resolves (`BATCH_LIMITS`, filled in by `resolved_for`).
 
     `num_kv_blocks` fixes the KV cache size; otherwise it is `kv_cache_memory_gb` on CPU
     and `gpu_memory_utilization` of the free GPU memory (after weights) on CUDA, capped to
@@ -21,8 +27,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: BATCH_LIMITS of the device (resolved_for)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -85,8 +91,9 @@ class EngineConfig:
             "steering_dynamic_rows",
             "action_queue_size",
         ):
-            if getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {value}")
         p = self.readout_probes_per_site
         if p < 1 or p & (p - 1):
             raise InvalidRequestError(f"readout_probes_per_site must be a power of two, got {p}")
@@ -110,3 +117,15 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]")
+
+    def resolved_for(self, device_type: str) -> EngineConfig:
+        """This config with what was left to the device filled in for `device_type` ("cpu",
+        "cuda"; others size like "cpu"): the settings an engine on that device runs."""
+        seqs, tokens = BATCH_LIMITS.get(device_type, BATCH_LIMITS["cpu"])
+        return replace(
+            self,
+            max_num_seqs=seqs if self.max_num_seqs is None else self.max_num_seqs,
+            max_num_batched_tokens=(
+                tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+            ),
+        )

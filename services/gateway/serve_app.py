@@ -4,11 +4,13 @@ front) over an `Engine` deployment whose every Serve replica is one engine repli
 Replicas of `Engine` scale by the Serve config's `autoscaling_config`. An engine replica
 with `tp * pp > 1` is a group of rank actors (`services/engine/actors.py`) that the Serve
 replica owns: when a rank dies, the replica's health check fails and Serve replaces the
-replica, rank actors included. Admin changes (global steering, the vector registry) are
-checked here, recorded in the cluster state (Redis, or without it a restartable actor), and
-every replica reconciles against it; a write returns once every live replica applied it
-(`services/cluster/state.py`). Everything is configured by the Serve config's `args`
-(`AppArgs`), never in code.
+replica, rank actors included. Each Serve replica holds its engine replica's GPUs
+(`engine_resources`): its own GPU with one rank, else a placement group of one GPU bundle per
+rank packed on one node, so that Ray gives every rank a GPU of its own. Admin changes
+(global steering, the vector registry) are checked here, recorded in the cluster state
+(Redis, or without it a restartable actor), and every replica reconciles against it; a
+write returns once every live replica applied it (`services/cluster/state.py`). Everything
+is configured by the Serve config's `args` (`AppArgs`), never in code.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 
 from services.cluster.state import (
@@ -64,7 +66,12 @@ class AppArgs(BaseModel):
     device: str = "auto"
     dtype: str = "auto"
     engine: dict[str, Any] = Field(default_factory=dict, description="more EngineConfig fields")
-    num_gpus_per_rank: float = Field(0, ge=0)
+    num_gpus_per_rank: float = Field(
+        0,
+        ge=0,
+        description="GPUs Ray gives each rank of an engine replica (the Serve replica itself "
+        "when tp * pp == 1); see engine_resources",
+    )
     api_keys_file: str | None = None
     redis_url: str | None = Field(
         None,
@@ -102,6 +109,29 @@ class AppArgs(BaseModel):
         # A password belongs in a Secret, not in the Serve config: deployments put the URL
         # in each pod's environment, which every replica reads when it validates its args.
         return value or os.environ.get("COXSWAIN_REDIS_URL") or None
+
+    @model_validator(mode="after")
+    def _gpus_from_ray(self) -> AppArgs:
+        # Ray shows a rank only the GPUs it gave it, as cuda:0...: a rank left without one
+        # would share whatever GPU it sees with every other such rank.
+        if self.num_gpus_per_rank and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device {self.device}: Ray gives each rank its own GPU, which it sees as "
+                "cuda:0; use device cuda"
+            )
+        if self.tp * self.pp > 1 and self.device.startswith("cuda") and not self.num_gpus_per_rank:
+            raise ValueError(
+                "tp * pp > 1 on cuda needs num_gpus_per_rank: 1, so that Ray gives each rank "
+                "actor a GPU of its own"
+            )
+        return self
+
+    def device_type(self) -> str:
+        """The engine replicas' device type, "cuda" or "cpu", as far as the application can
+        tell without seeing their hosts: device cuda, or auto with GPUs asked of Ray."""
+        if self.device.startswith("cuda") or (self.device == "auto" and self.num_gpus_per_rank):
+            return "cuda"
+        return "cpu"
 
 
 def resolve_model(model: str) -> Path:
@@ -167,6 +197,7 @@ class EngineDeployment:
         if a.tp * a.pp == 1:
             from services.engine.service import EngineService
 
+            _check_holds_gpu(a)
             store = None
             if store_address:
                 from services.patch_store.client import PatchStoreClient
@@ -226,6 +257,22 @@ class EngineDeployment:
     async def call(self, fn: Any, *args: Any) -> Any:
         return await self._apply(fn, *args)
 
+    def placement(self) -> dict:
+        """Where this engine replica runs: the Serve replica's id and, per rank, its node,
+        the GPUs Ray gave it and their CUDA_VISIBLE_DEVICES, and its placement group."""
+        from services.engine.actors import process_placement
+
+        if self.replica is not None:
+            ranks = self.replica.placement()
+        else:
+            ranks = [{"rank": 0, **process_placement()}]
+        return {"replica": self.replica_id, "ranks": ranks}
+
+    async def stats(self) -> dict:
+        """The engine's statistics, with where it runs (`placement`)."""
+        stats = await self._apply(_method("stats"))
+        return {**stats, "placement": await asyncio.to_thread(self.placement)}
+
     async def admin_version(self) -> dict:
         """Which cluster-state version this replica has applied, the entries it refused
         (`rejected`: `vector:<name>` or `global`, with the reason) and its id."""
@@ -244,6 +291,20 @@ class EngineDeployment:
             self.replica.check()
         elif not self.service.llm._thread.is_alive():
             raise ServiceUnavailableError("the engine thread stopped")
+
+
+def _check_holds_gpu(a: AppArgs) -> None:
+    """Refuse to build a one-rank engine replica on CUDA without a GPU of Ray's: every such
+    replica would use the same cuda:0. (A Serve config's Engine `ray_actor_options` replace
+    the application's, so they must ask for the GPU themselves.)"""
+    import ray
+
+    if (a.num_gpus_per_rank or a.device.startswith("cuda")) and not ray.get_gpu_ids():
+        raise InvalidRequestError(
+            f"this Engine replica holds no GPU (device {a.device}, num_gpus_per_rank "
+            f"{a.num_gpus_per_rank:g}): set num_gpus_per_rank: 1, and num_gpus: 1 in the "
+            "Engine's ray_actor_options if the Serve config sets them"
+        )
 
 
 def _run_in_thread(coro: Any) -> Any:
@@ -438,7 +499,7 @@ class RemoteEngine:
         return self._call(_method("dynamic_state"))
 
     def stats(self) -> dict:
-        return self._call(_method("stats"))
+        return self._sync(self.handle.stats.remote())
 
     def health(self) -> dict:
         return self._call(_method("health"))
@@ -502,7 +563,8 @@ def _start_grpc(backend: Any, keys: ApiKeys, port: int, host: str) -> None:
 def start_cluster_actors(a: AppArgs) -> None:
     """The actors the application shares across its replicas, started once (named,
     detached, reused when they already run): the patch store, and with `redis_url` the
-    async controller."""
+    async controller. Scheduled by Ray's default strategy, never into the placement group of
+    the engine replica that happens to start them: removing it would kill them."""
     from services.patch_store.actor import start_patch_store_actor
 
     start_patch_store_actor(
@@ -514,6 +576,7 @@ def start_cluster_actors(a: AppArgs) -> None:
         lifetime="detached",
         max_restarts=-1,  # restarted empty; clients re-resolve it (services/patch_store/actor.py)
         get_if_exists=True,
+        scheduling_strategy="DEFAULT",
     )
     if a.redis_url:
         from services.controller.actor import start_controller_actor
@@ -526,6 +589,7 @@ def start_cluster_actors(a: AppArgs) -> None:
                 "lifetime": "detached",
                 "max_restarts": -1,
                 "get_if_exists": True,  # replicas start concurrently
+                "scheduling_strategy": "DEFAULT",
             },
             grpc_host=a.bind_host,
             grpc_port=a.controller_grpc_port,
@@ -543,13 +607,41 @@ GATEWAY_MIN_ONGOING = 1024
 
 
 def max_ongoing_requests(a: AppArgs) -> tuple[int, int]:
-    """(Engine, Gateway) `max_ongoing_requests`, sized from the engine's `max_num_seqs`
-    (a Serve config's deployment options still override them)."""
+    """(Engine, Gateway) `max_ongoing_requests`, sized from the engine's `max_num_seqs`, as
+    the engines resolve it for their device (a Serve config's deployment options still
+    override them)."""
     from services.engine.config import EngineConfig
 
-    seqs = int(a.engine.get("max_num_seqs", EngineConfig.max_num_seqs))
+    seqs = EngineConfig(**a.engine).resolved_for(a.device_type()).max_num_seqs
     engine = 2 * seqs + ENGINE_CONTROL_CALLS
     return engine, max(GATEWAY_MIN_ONGOING, 2 * engine * (a.engine_replicas or 1))
+
+
+# The Serve replica's own CPU (scheduling, tokenizing, streaming) when the app sizes it.
+ENGINE_REPLICA_CPUS = 1
+
+
+def engine_resources(a: AppArgs) -> dict[str, Any]:
+    """The Engine deployment's resource options: each Serve replica holds the `tp * pp`
+    GPUs of its engine replica, `num_gpus_per_rank` each. One rank: the replica's own actor
+    asks for it, so Ray sets a different CUDA_VISIBLE_DEVICES in each replica. Several: a
+    placement group per replica, the replica's CPU bundle first and one GPU bundle per rank
+    actor (`services/engine/actors.py` schedules rank r into bundle r + 1), STRICT_PACK so
+    that the ranks share a node and TP's all-reduces stay on its links. Pipeline stages on
+    different nodes are not done yet. A Serve config's `ray_actor_options` and
+    `placement_group_bundles` for Engine replace these."""
+    actor: dict[str, Any] = {"num_cpus": ENGINE_REPLICA_CPUS}
+    world = a.tp * a.pp
+    if not a.num_gpus_per_rank:
+        return {"ray_actor_options": actor}
+    if world == 1:
+        return {"ray_actor_options": {**actor, "num_gpus": a.num_gpus_per_rank}}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [{"CPU": ENGINE_REPLICA_CPUS}]
+        + [{"GPU": a.num_gpus_per_rank} for _ in range(world)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
 def build_app(args: dict) -> Any:
@@ -561,7 +653,10 @@ def build_app(args: dict) -> Any:
     plain = a.model_dump()
     engine_ongoing, gateway_ongoing = max_ongoing_requests(a)
     engine = serve.deployment(
-        name="Engine", health_check_period_s=5, max_ongoing_requests=engine_ongoing
+        name="Engine",
+        health_check_period_s=5,
+        max_ongoing_requests=engine_ongoing,
+        **engine_resources(a),
     )(EngineDeployment)
     if a.engine_replicas is not None:
         engine = engine.options(num_replicas=a.engine_replicas)

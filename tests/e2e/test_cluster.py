@@ -2,7 +2,12 @@
 replicas, and a second application whose engine replica is a TP=2 group of rank actors),
 called over real HTTP and gRPC. Results are checked against the offline engine on the same
 checkpoint; admin changes must reach every replica; killing the engine replicas mid-request
-must fail that request clearly, and the restarted replicas must serve again."""
+must fail that request clearly, and the restarted replicas must serve again.
+
+Ray is given logical GPUs (a machine without any has them as plain resources, and Ray still
+assigns ids and sets CUDA_VISIBLE_DEVICES) and every rank asks for one, as `coxswain up
+--device cuda` does, while the engines compute on CPU: each replica must hold GPUs no
+other holds, a TP replica's ranks in one placement group."""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ serve = pytest.importorskip("ray.serve")
 ADMIN, READER = "admin:admin:" + "a" * 32, "reader:read:" + "r" * 32
 ADMIN_KEY, READ_KEY = ADMIN.split(":")[2], READER.split(":")[2]
 ENGINE = {"device": "cpu", "dtype": "float32"}
+# Two 1-rank replicas and a TP=2 one hold 4; the rest lets replaced replicas start at once.
+LOGICAL_GPUS = 8
 PROMPT = [17, 250, 33, 401, 98, 12, 77, 305, 150, 61]
 H = 64
 
@@ -60,7 +67,7 @@ def cluster(model, tmp_path_factory, redis_server):
 
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(f"{ADMIN}\n{READER}\n")
-    start_local_ray(num_cpus=8, namespace="coxswain")
+    start_local_ray(num_cpus=8, num_gpus=LOGICAL_GPUS, namespace="coxswain")
     http_port, grpc_port = _free_port(), _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     args = {
@@ -70,6 +77,7 @@ def cluster(model, tmp_path_factory, redis_server):
         "patch_store_budget_gb": 0.0625,
         "redis_url": redis_server.url,  # as `coxswain up` and the deploy manifests do
         "controller_grpc_port": _free_port(),
+        "num_gpus_per_rank": 1,
         **ENGINE,
     }
     serve.run(build_app({**args, "engine_replicas": 2}), name="coxswain", route_prefix="/")
@@ -289,6 +297,51 @@ def test_tensor_parallel_replica_through_ray_actors(client, offline):
     got = _complete(client, "/tp2/v1/completions", max_tokens=5, logprobs=1, steering=steering)
     want = _want(offline, max_tokens=5, logprobs=1, steering=steering)
     assert _logprobs(got) == pytest.approx(want, abs=1e-4)
+
+
+def replica_stats(client, route: str, replicas: int, tries: int = 200) -> dict[str, dict]:
+    """`/v1/stats` of each engine replica, by the replica id in its `placement`: asked until
+    `replicas` different replicas answered (Serve picks one per call)."""
+    seen: dict[str, dict] = {}
+    for _ in range(tries):
+        r = client.get(route)
+        assert r.status_code == 200, r.text
+        seen[r.json()["placement"]["replica"]] = r.json()
+        if len(seen) == replicas:
+            return seen
+    raise AssertionError(f"only replicas {sorted(seen)} answered {route}")
+
+
+def ranks_of(client, route: str, replicas: int) -> list[list[dict]]:
+    """Each engine replica's ranks: where they run (`placement`)."""
+    return [s["placement"]["ranks"] for s in replica_stats(client, route, replicas).values()]
+
+
+def gpu_of(rank: dict) -> str:
+    """The one GPU a rank holds: Ray's id, and all that CUDA_VISIBLE_DEVICES shows it."""
+    (gpu,) = rank["gpu_ids"]
+    assert rank["cuda_visible_devices"] == gpu
+    return gpu
+
+
+def test_every_engine_rank_holds_a_gpu_of_its_own(client):
+    one_rank = ranks_of(client, "/v1/stats", replicas=2)
+    assert all(len(ranks) == 1 for ranks in one_rank)
+    (tp,) = ranks_of(client, "/tp2/v1/stats", replicas=1)
+    assert [r["rank"] for r in tp] == [0, 1]
+    gpus = [gpu_of(r) for ranks in [*one_rank, tp] for r in ranks]
+    assert len(set(gpus)) == len(gpus) == 4, gpus
+
+
+def test_a_tensor_parallel_replicas_ranks_share_one_placement_group(client):
+    (tp,) = ranks_of(client, "/tp2/v1/stats", replicas=1)
+    (pg_id,) = {r["placement_group"] for r in tp}
+    assert pg_id is not None and len({r["node_id"] for r in tp}) == 1
+    table = ray.util.placement_group_table()[pg_id]
+    assert table["strategy"] == "STRICT_PACK"
+    # The Serve replica's own bundle, then one GPU per rank.
+    bundles = [table["bundles"][i] for i in sorted(table["bundles"])]
+    assert [b.get("GPU", 0) for b in bundles] == [0, 1, 1]
 
 
 def _stream_then_kill(client, route: str, kill) -> list[dict]:

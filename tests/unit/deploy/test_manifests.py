@@ -184,11 +184,15 @@ def test_gpu_configs_give_every_engine_rank_a_gpu(name):
     config = SERVE_CONFIGS[name]()
     args = AppArgs.model_validate(app_of(config)["args"])
     assert (args.device, args.dtype) == ("cuda", "bfloat16")
-    engine_gpus = deployment(config, "Engine")["ray_actor_options"].get("num_gpus", 0)
-    if args.tp * args.pp == 1:  # the Serve replica runs the engine itself
-        assert (engine_gpus, args.num_gpus_per_rank) == (1, 0)
-    else:  # rank actors hold the GPUs
-        assert (engine_gpus, args.num_gpus_per_rank) == (0, 1)
+    assert args.num_gpus_per_rank == 1
+    engine = deployment(config, "Engine")
+    engine_gpus = engine["ray_actor_options"].get("num_gpus", 0)
+    if args.tp * args.pp == 1:  # the Serve replica runs the engine itself, on its own GPU
+        assert engine_gpus == 1 and "placement_group_bundles" not in engine
+    else:  # rank actors hold the GPUs, one bundle each after the replica's, on one node
+        assert engine_gpus == 0
+        assert engine["placement_group_bundles"][1:] == [{"GPU": 1}] * (args.tp * args.pp)
+        assert engine["placement_group_strategy"] == "STRICT_PACK"
     assert deployment(config, "Gateway")["ray_actor_options"].get("num_gpus", 0) == 0
 
 

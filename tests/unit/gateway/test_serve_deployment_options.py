@@ -24,7 +24,7 @@ def _ongoing(args: dict) -> tuple[int, int]:
 
 def test_an_engine_replica_takes_a_full_batch_and_as_many_waiting():
     engine, gateway = _ongoing({"model": "tiny"})
-    seqs = EngineConfig().max_num_seqs
+    seqs = EngineConfig().resolved_for("cpu").max_num_seqs
     assert engine == 2 * seqs + ENGINE_CONTROL_CALLS
     assert gateway >= max(GATEWAY_MIN_ONGOING, 2 * engine) > engine
     assert engine > 20  # 20 concurrent requests share one batch
