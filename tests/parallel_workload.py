@@ -153,3 +153,68 @@ def pass_refused(engine) -> str:
     except PatchPassUnavailableError as e:
         return str(e)
     return "no error"
+
+
+# Intervened decode steps replay CUDA graphs at every site (a replica captures them per rank).
+GRAPH_SITES = ("pre_attn", "post_attn", "post_block")
+
+
+def graph_requests() -> list[tuple[str, SamplingParams]]:
+    """Requests whose decode steps the intervened graphs serve: steering at three sites, a
+    per-token capture into the capture buffer, read-outs, an adapter; a patch at a prompt
+    position (its prefill runs eagerly, its decode in the graph). Lengths differ, so decode
+    steps replay each kind of graph: the capture graph while the capturing request runs, the
+    steered one after it, the plain one at the end; the adapted twins while the adapter's
+    request runs."""
+    greedy = dict(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    steering = {
+        "vectors": [
+            {"layers": [0], "site": "post_block", "vector": _vec(1)},
+            {"layers": [3], "site": "pre_attn", "vector": _vec(2), "phase": "decode"},
+            {"layers": [2], "site": "post_attn", "vector": "registered", "scale": 2.0},
+        ]
+    }
+    capture = {"sites": {"post_block": "all"}, "positions": "all_generated"}
+    patch = [{"layer": 2, "site": "post_block", "position": 3, "source": {"vector": _vec(3)}}]
+    readouts = [
+        {"name": "early", "layer": 1, "site": "post_block", "probe": _vec(4, 1.0)},
+        {"name": "late", "layer": 3, "site": "post_attn", "probe": _vec(5, 1.0)},
+    ]
+    return [
+        ("the quick brown fox", SamplingParams(**{**greedy, "max_tokens": 20})),
+        ("the quick brown fox", SamplingParams(**greedy, steering=steering)),
+        ("a small model runs on", SamplingParams(**{**greedy, "max_tokens": 5}, capture=capture)),
+        ("a small model runs on", SamplingParams(**greedy, patch=patch)),
+        ("once upon a time there", SamplingParams(**greedy, readouts=readouts)),
+        ("once upon a time", SamplingParams(**{**greedy, "max_tokens": 8}, adapter="policy")),
+    ]
+
+
+def graph_decode(engine) -> dict:
+    """Every `graph_requests()` request in one continuous batch; returns each one's tokens,
+    logprobs, read-outs and captures, and how many steps replayed which graph."""
+    engine.vectors.register("registered", _vec(6, 1.0))
+    engine.load_adapter("policy", random_state(engine.adapters, seed=11, lora=2))
+    prompts, params = zip(*graph_requests(), strict=True)
+    outs = LLM(engine=engine).generate(list(prompts), list(params))
+    stats = engine.stats()
+    return {
+        "outputs": [
+            {
+                "token_ids": o.outputs[0].token_ids,
+                "logprobs": o.outputs[0].logprobs,
+                "readouts": o.outputs[0].readouts,
+                "captures": o.captures,
+            }
+            for o in outs
+        ],
+        "graph_steps": {
+            k: stats[k]
+            for k in (
+                "num_graph_steps",
+                "num_steered_graph_steps",
+                "num_capture_graph_steps",
+                "num_adapted_graph_steps",
+            )
+        },
+    }

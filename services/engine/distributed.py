@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from services.engine.llm_engine import LLMEngine
     from services.engine.model.patch_pass import PassJob
     from services.engine.model_runner import StepResult
+    from services.engine.scheduler import SchedulerOutput
 
 # Idle worker ranks wait in a broadcast until the driver's next step, which can be hours.
 IDLE_TIMEOUT = timedelta(days=7)
@@ -175,13 +176,26 @@ class StepSync:
         return actions, job
 
     def finish_step(
-        self, engine: LLMEngine, result: StepResult, plan: StepInterventions | None
+        self,
+        engine: LLMEngine,
+        sched: SchedulerOutput,
+        result: StepResult,
+        plan: StepInterventions | None,
     ) -> StepResult:
         """After the forward: share the sampled tokens and each stage's captures, scores and
-        gate firings; check every rank's steering state matches."""
+        gate firings; check every rank's steering state matches.
+
+        A replica of one stage, or a step with nothing but tokens to share (no
+        interventions, no logprobs asked for), shares one small tensor; otherwise the ranks
+        exchange objects. Every rank decides alike, from the replicated schedule and plan."""
+        if self.ctx.pp_size == 1 or (plan is None and not _wants_logprobs(sched)):
+            return self._finish_by_tensor(engine, result)
+        return self._finish_by_objects(engine, result, plan)
+
+    def _finish_by_objects(
+        self, engine: LLMEngine, result: StepResult, plan: StepInterventions | None
+    ) -> StepResult:
         ctx = self.ctx
-        if ctx.pp_size == 1:
-            return self._finish_tp_step(engine, result)
         part: dict[str, Any] = {"digest": engine.interventions.state_digest()}
         if ctx.rank == self.result_rank:
             part["result"] = result
@@ -212,12 +226,11 @@ class StepSync:
                     plan.fired = plan.fired | p["fired"]
         return parts[self.result_rank]["result"]
 
-    def _finish_tp_step(self, engine: LLMEngine, result: StepResult) -> StepResult:
-        """`finish_step` of a replica that is one pipeline stage: every rank computed the
-        whole step (captures, scores and firings included), so one all-gather of a small
-        tensor carries each rank's steering-state digest and the driver's sampled tokens,
-        which every rank then takes as its own: the ranks sample from the same gathered
-        logits, and this keeps them in lock-step even if a sampler were not deterministic."""
+    def _finish_by_tensor(self, engine: LLMEngine, result: StepResult) -> StepResult:
+        """One all-gather of a small tensor: each rank's steering-state digest and the
+        tokens it sampled (a stage before the last sampled none). Every rank takes the last
+        stage's tokens as its own; the last stage's TP ranks sample from the same gathered
+        logits, and must agree."""
         digest = engine.interventions.state_digest()
         tokens = [NO_TOKEN if t is None else t for t in result.sampled]
         mine = torch.tensor(
@@ -231,8 +244,16 @@ class StepSync:
             raise ReplicaDivergedError(
                 f"ranks {bad} of this replica hold different steering state than rank 0"
             )
-        if not self.is_driver:
-            result.sampled = [None if t == NO_TOKEN else t for t in parts[0][2:].tolist()]
+        # Each TP rank feeds its own sampled tokens to the next step on its device
+        # (overlapped steps' placeholders): a rank that sampled differently would embed
+        # other tokens.
+        sampled = parts[self.result_rank][2:]
+        last_stage = range(self.result_rank, self.ctx.world_size)
+        bad = [r for r in last_stage if not torch.equal(parts[r][2:], sampled)]
+        if bad:
+            raise ReplicaDivergedError(f"ranks {bad} of this replica sampled other tokens")
+        if self.ctx.rank != self.result_rank:
+            result.sampled = [None if t == NO_TOKEN else t for t in sampled.tolist()]
         return result
 
     def stop(self) -> None:
@@ -240,6 +261,17 @@ class StepSync:
         if self.is_driver and not self.stopped:
             self.stopped = True
             dist.broadcast(torch.tensor([STOP], dtype=torch.long), src=0, group=self.group)
+
+
+def _wants_logprobs(sched: SchedulerOutput) -> bool:
+    """Whether some request of the step asked for logprobs (top-k, of given token ids, or of
+    its prompt): only the last stage has them, and they travel as objects."""
+    for s in sched.scheduled:
+        group = s.seq.group
+        params = group.params
+        if params.logprobs is not None or params.logprob_token_ids or group.prompt_logprobs:
+            return True
+    return False
 
 
 def run_worker(engine: LLMEngine) -> None:

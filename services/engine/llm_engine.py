@@ -73,11 +73,12 @@ class LLMEngine:
         if (ctx.world_size > 1) != (sync is not None):
             raise ValueError("a parallel ctx needs a StepSync (distributed.init_replica)")
         self.sync = sync
-        self.config = cfg = config or EngineConfig()
+        config = config or EngineConfig()
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        self.config = cfg = config.resolved_for(self.device.type)  # batch limits by device
         self.model_dir = Path(model)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise InvalidRequestError(
@@ -174,8 +175,9 @@ class LLMEngine:
 
     def _capture_rows(self) -> int:
         """Rows of the fixed capture buffer: `graph_capture_rows` (default max_num_seqs) on
-        a one-process replica, whose model holds every layer the buffer's slots name."""
-        if self.runner.ctx.world_size > 1:
+        a replica of one pipeline stage, whose model holds every layer the buffer's slots
+        name (each TP rank computes the whole residual stream, so each fills its own)."""
+        if self.runner.ctx.pp_size > 1:
             return 0
         rows = self.config.graph_capture_rows
         return self.config.max_num_seqs if rows is None else rows
@@ -362,7 +364,7 @@ class LLMEngine:
         """Run one engine step; return a delta for every request it advanced (what the step
         added: `OutputAccumulator` turns deltas into totals).
 
-        When nothing intervenes (and the replica is one process), steps overlap as in
+        When nothing intervenes (and the replica is one pipeline stage), steps overlap as in
         vLLM's async scheduling: the step launched here runs on the device while the host
         accepts the tokens of the step the previous call launched (sampled tokens a step
         still computes are placeholders the next step reads on the device). A call that
@@ -398,18 +400,21 @@ class LLMEngine:
             return outputs
         result = pending.result()
         if self.sync is not None:
-            result = self.sync.finish_step(self, result, plan)
+            result = self.sync.finish_step(self, sched, result, plan)
         report = self.interventions.observe(sched, plan) if plan is not None else None
         self.scheduler.advance(sched)
         return outputs + self._accept(sched, result, report)
 
     def _can_overlap(self) -> bool:
-        """Overlap needs a one-process replica where the next step's plan needs nothing the
-        step before reads back: steering, monitors, gates, read-outs, captures and adapters
-        may run, but not patches still ahead of a request or consumers."""
+        """Overlap needs a replica of one pipeline stage (every TP rank samples the same
+        tokens on its own device, so each fills its own placeholders; a later stage's tokens
+        would have to reach the first stage's device) where the next step's plan needs
+        nothing the step before reads back: steering, monitors, gates, read-outs, captures
+        and adapters may run, but not patches still ahead of a request or consumers. Every
+        rank of a replica decides alike: the inputs are replicated state."""
         return (
             self.config.async_scheduling
-            and self.sync is None
+            and self.runner.ctx.pp_size == 1
             and self.interventions.reads_nothing_back()
         )
 
@@ -423,6 +428,8 @@ class LLMEngine:
     def _finish(self, sched: Any, pending: Any, plan: Any) -> list[RequestDelta]:
         """Accept an overlapped step: its tokens, and what its interventions read back."""
         result = pending.result()
+        if self.sync is not None:
+            result = self.sync.finish_step(self, sched, result, plan)
         report = self.interventions.observe(sched, plan) if plan is not None else None
         return self._accept(sched, result, report)
 

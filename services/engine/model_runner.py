@@ -268,7 +268,7 @@ class StepBatch:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, V] float32, written by each replay
+    logits: torch.Tensor | None  # [bucket, V] float32, written by each replay (last stage)
 
 
 # What a decode graph runs besides the plain model: nothing, the fused steer op at the
@@ -433,10 +433,11 @@ class ModelRunner:
     # -- CUDA graphs ----------------------------------------------------------------------
 
     def can_use_graphs(self) -> bool:
-        """CUDA, one process, and an attention backend whose decode steps can be captured."""
-        return (
-            self.device.type == "cuda" and self.ctx.world_size == 1 and self.backend.supports_graphs
-        )
+        """CUDA and an attention backend whose decode steps can be captured. In a parallel
+        replica every rank captures the same buckets in the same order, with the TP
+        all-reduces and the logits' all-gather inside its graphs, and each pipeline stage's
+        graph receives the stage before's residual stream and sends its own inside it."""
+        return self.device.type == "cuda" and self.backend.supports_graphs
 
     @torch.inference_mode()
     def capture_decode_graphs(
@@ -519,23 +520,41 @@ class ModelRunner:
 
     def _capture(
         self, ids: torch.Tensor, pos: torch.Tensor, meta: Any, iv: Any, rows: Any
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
         """One decode graph over the step batch's views; `rows`: the adapter rows (None: the
         adapted Linears run plain)."""
 
-        def run() -> torch.Tensor:
+        ctx = self.ctx
+
+        def run() -> torch.Tensor | None:
             if iv is not None:
                 iv.reset_fired()  # the gates OR their bits in
+            received = None
+            if not ctx.is_first_stage:  # into a buffer of the graph's pool
+                shape = (len(ids), self.cfg.hidden_size)
+                received = ctx.recv_from_prev_stage(shape, self.dtype, self.device)
             with self._adapter_rows(rows):
-                hidden = self.model(pos, meta, input_ids=ids, interventions=iv)
+                hidden = self.model(
+                    pos,
+                    meta,
+                    input_ids=ids if ctx.is_first_stage else None,
+                    hidden_states=received,
+                    interventions=iv,
+                )
             if iv is not None:  # decode: each row is its sequence's sampled row
                 n = len(ids)
                 self.readback.last_fired[:n].copy_(self.readback.fired[:n])
+            if not ctx.is_last_stage:
+                ctx.send_to_next_stage(hidden)
+                return None
             return self.model.compute_logits(hidden).float()
 
         run()  # compiles kernels and settles allocations outside the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # Under TP the NCCL watchdog thread polls the events of earlier collectives while
+        # this thread captures: only this thread's calls must be capture-safe.
+        mode = "thread_local" if self.ctx.world_size > 1 else "global"
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode=mode):
             logits = run()
         return graph, logits
 
@@ -631,9 +650,11 @@ class ModelRunner:
                 self.num_steered_graph_steps += 1
             entry = graphs[bucket]
             entry.graph.replay()
-            logits = entry.logits[:n]
-            if len(sample_rows) < n:
-                logits = logits[torch.tensor(sample_rows, device=self.device)]
+            logits = None
+            if entry.logits is not None:
+                logits = entry.logits[:n]
+                if len(sample_rows) < n:
+                    logits = logits[torch.tensor(sample_rows, device=self.device)]
         else:
             self.num_eager_steps += 1
             if interventions is not None:
@@ -649,7 +670,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[index]).float()
         pending = PendingStep(n, sample_rows)
         graphed = bucket is not None
-        if hidden is None and not graphed:  # a pipeline stage before the last
+        if not self.ctx.is_last_stage:  # a pipeline stage before the last samples nothing
             if interventions is not None:
                 self._read_back(pending, interventions, graphed, t, n, sample_rows)
             return pending

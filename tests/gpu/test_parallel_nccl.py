@@ -4,6 +4,7 @@ Float32, so the only difference is the all-reduce's summation order."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -52,3 +53,37 @@ def test_nccl_tp_sweep_runs_patch_passes_like_one_gpu(checkpoint):
     assert want["passes"] > 0 and got["passes"] == want["passes"]
     assert math.isclose(got["corrupt"], want["corrupt"], abs_tol=1e-3)
     np.testing.assert_allclose(got["grid"], want["grid"], atol=1e-3, rtol=0)
+
+
+GRAPH_CONFIG = dataclasses.replace(CONFIG, graph_steering_sites=parallel_workload.GRAPH_SITES)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_parallel_decode_replays_graphs_like_one_gpu(checkpoint, tp, pp):
+    """Decode steps that steer at three sites, capture every layer, read out and run an
+    adapter replay CUDA graphs on every rank (the all-reduces, the logits' all-gather and
+    the stage hand-off inside them) and give one GPU's tokens, logprobs, read-outs and
+    captures; they replay as many graphs of each kind as one GPU does."""
+    if torch.cuda.device_count() < tp * pp:
+        pytest.skip(f"needs {tp * pp} CUDA devices")
+    want = parallel_workload.graph_decode(LLMEngine(checkpoint, GRAPH_CONFIG))
+    got = launch_local(
+        str(checkpoint),
+        tp,
+        pp,
+        parallel_workload.graph_decode,
+        engine_config=GRAPH_CONFIG,
+        device_type="cuda",
+    )
+    assert want["graph_steps"]["num_steered_graph_steps"] > 0
+    assert want["graph_steps"]["num_capture_graph_steps"] > 0
+    assert want["graph_steps"]["num_adapted_graph_steps"] > 0
+    assert got["graph_steps"] == want["graph_steps"]
+    for g, w in zip(got["outputs"], want["outputs"], strict=True):
+        assert g["token_ids"] == w["token_ids"]
+        for a, b in zip(g["logprobs"], w["logprobs"], strict=True):
+            assert all(math.isclose(a[k], b[k], abs_tol=1e-3) for k in b)
+        for a, b in zip(g["readouts"] or [], w["readouts"] or [], strict=True):
+            assert a == pytest.approx(b, abs=1e-3)
+        for key, t in (w["captures"] or {}).items():
+            torch.testing.assert_close(g["captures"][key], t, atol=1e-3, rtol=0)
