@@ -235,6 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="Coxswain without CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="also run a replica of this TP size")
     p.add_argument("--pp", type=int, default=1, help="... and this PP size")
+    p.add_argument(
+        "--parallel",
+        help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -303,19 +307,26 @@ def main(argv: list[str] | None = None) -> None:
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    parallel = f"tp{args.tp}pp{args.pp}"
-    if args.tp * args.pp > 1:  # the replica's ranks are processes of their own
-        systems.append(parallel)
+    shapes = [(args.tp, args.pp)]
+    if args.parallel:
+        shapes = [tuple(int(n) for n in s.split("x")) for s in args.parallel.split(",")]
+    replicas = []
+    for tp, pp in shapes:
+        if tp * pp == 1:
+            continue
+        name = f"tp{tp}pp{pp}"  # the replica's ranks are processes of their own
+        systems.append(name)
+        replicas.append(name)
         t = time.perf_counter()
-        results[parallel] = launch_local(
+        results[name] = launch_local(
             str(args.model),
-            args.tp,
-            args.pp,
+            tp,
+            pp,
             functools.partial(bench_replica, {b: prompts[b] for b in batches}, args.steps),
             engine_config=engine_config,
             device_type=device.type,
         )
-        print(f"{parallel} replica measured in {time.perf_counter() - t:.1f} s")
+        print(f"{name} replica measured in {time.perf_counter() - t:.1f} s")
 
     ceiling = results.get("ceiling", {})
     print(f"\ndecode at context {args.context}, {args.steps} steps; ratio = tok/s ÷ ceiling")
@@ -331,10 +342,12 @@ def main(argv: list[str] | None = None) -> None:
             ratio = f" ({row[b] / ceiling[b]:.2f}×)" if b in ceiling else ""
             cells.append(f"{row[b]:>9,.0f} tok/s {ms:6.2f} ms{ratio:>8}")
         print(f"{name:<10}" + "".join(cells))
-    one, many = results.get("coxswain", {}), results.get(parallel, {})
-    if one and many:
-        ratios = ", ".join(f"batch {b} {many[b] / one[b]:.2f}×" for b in batches)
-        print(f"{parallel} ÷ one process: {ratios}")
+    one = results.get("coxswain", {})
+    for name in replicas:
+        many = results[name]
+        if one and many:
+            ratios = ", ".join(f"batch {b} {many[b] / one[b]:.2f}×" for b in batches)
+            print(f"{name} ÷ one process: {ratios}")
     if args.json:
         args.json.write_text(json.dumps({"roofline": roof, **results}, indent=1))
 

@@ -463,6 +463,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4,
         help="with --throughput: load-generator processes sharing the HTTP workload",
     )
+    w.add_argument(
+        "--tolerate-errors",
+        action="store_true",
+        help="with --throughput: count failed requests instead of stopping (a replica killed "
+        "mid-run)",
+    )
     e = p.add_argument_group("local engine (without --url)")
     e.add_argument(
         "--frontend",
@@ -498,6 +504,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.url:
         key = args.api_key or os.environ.get("COXSWAIN_API_KEY", "")
+        if args.throughput:  # the cluster's side of the comparison (benchmarks/cluster_serving.py)
+            tokens, seconds, errors = _http_throughput(args, args.url, key)
+            print(
+                f"{args.num_requests} streams of {args.prompt_len} prompt -> {args.output_len} "
+                f"generated tokens, {args.concurrency} in flight, over HTTP at {args.url}: "
+                f"{tokens / seconds:,.0f} generated tok/s ({tokens} in {seconds:.2f} s, "
+                f"{errors} requests failed)"
+            )
+            return
         run_client(args, args.url, key, "")
         return
     key = secrets.token_urlsafe(24)
@@ -539,7 +554,7 @@ def compare_throughput(args: argparse.Namespace, key: str) -> None:
     AsyncLLM, no HTTP), on the same model and the same workload shape; fresh prompts for
     each run so neither reads the other's prefix cache."""
     with local_gateway(args, key) as (url, llm):
-        http_tokens, http_s = _http_throughput(args, url, key)
+        http_tokens, http_s, _ = _http_throughput(args, url, key)
         vocab = llm.engine.model_config.vocab_size
         local_tokens, local_s = asyncio.run(_in_process_throughput(args, llm, vocab))
     http, local = http_tokens / http_s, local_tokens / local_s
@@ -553,10 +568,11 @@ def compare_throughput(args: argparse.Namespace, key: str) -> None:
     )
 
 
-def _http_throughput(args: argparse.Namespace, url: str, key: str) -> tuple[int, float]:
-    """Generated tokens over HTTP and the seconds they took, from `--client-processes` load
-    generators that split the requests and the concurrency and start together: one Python
-    client reading SSE saturates its core near 10k chunks/s, below what the server sends."""
+def _http_throughput(args: argparse.Namespace, url: str, key: str) -> tuple[int, float, int]:
+    """Generated tokens over HTTP, the seconds they took and the requests that failed (any
+    is fatal unless `--tolerate-errors`), from `--client-processes` load generators that
+    split the requests and the concurrency and start together: one Python client reading
+    SSE saturates its core near 10k chunks/s, below what the server sends."""
     ctx = multiprocessing.get_context("spawn")
     k = args.client_processes
     results, start = ctx.Queue(), ctx.Barrier(k)
@@ -576,8 +592,9 @@ def _http_throughput(args: argparse.Namespace, url: str, key: str) -> tuple[int,
     if failed or results.qsize() != k:
         raise SystemExit(f"an HTTP client failed (exit codes {failed})")
     parts = [results.get() for _ in range(k)]
-    tokens = sum(n for n, _, _ in parts)
-    return tokens, max(t1 for _, _, t1 in parts) - min(t0 for _, t0, _ in parts)
+    tokens = sum(n for n, _, _, _ in parts)
+    seconds = max(t1 for _, _, t1, _ in parts) - min(t0 for _, t0, _, _ in parts)
+    return tokens, seconds, sum(e for _, _, _, e in parts)
 
 
 def _http_throughput_client(args, url: str, key: str, j: int, start, results) -> None:
@@ -585,7 +602,7 @@ def _http_throughput_client(args, url: str, key: str, j: int, start, results) ->
     k = args.client_processes
     concurrency = args.concurrency // k + (j < args.concurrency % k)
 
-    async def run() -> tuple[int, float, float]:
+    async def run() -> tuple[int, float, float, int]:
         headers = {"Authorization": f"Bearer {key}"}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(
@@ -602,9 +619,9 @@ def _http_throughput_client(args, url: str, key: str, j: int, start, results) ->
             phase = await run_phase(client, "http", work, None, concurrency)
             t1 = time.time()
         errors = [s.error for s in phase.samples if s.error]
-        if errors:
+        if errors and not args.tolerate_errors:
             raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
-        return sum(s.tokens for s in phase.samples), t0, t1
+        return sum(s.tokens for s in phase.samples), t0, t1, len(errors)
 
     results.put(asyncio.run(run()))
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from services.common.net import free_port
 from services.engine.interventions.actions import Action
-from services.engine.parallel import ParallelContext
+from services.engine.parallel import ParallelContext, symmetric_all_reduce
 
 if TYPE_CHECKING:
     from services.engine.interventions.planner import StepInterventions
@@ -85,12 +85,18 @@ def init_replica(
         group = dist.new_group(ranks, timeout=IDLE_TIMEOUT) if tp_size > 1 else None
         if rank in ranks:
             tp_group = group
+    symmetric = None
+    if device_type == "cuda" and tp_size > 1:
+        symmetric = symmetric_all_reduce(
+            tp_group, torch.device("cuda", torch.cuda.current_device())
+        )
     ctx = ParallelContext(
         tp_rank=rank % tp_size,
         tp_size=tp_size,
         pp_rank=rank // tp_size,
         pp_size=pp_size,
         tp_group=tp_group,
+        symmetric=symmetric,
     )
     return ctx, StepSync(ctx, objects)
 
