@@ -495,8 +495,12 @@ class Reconciler:
         *,
         period_s: float = RECONCILE_PERIOD_S,
         ttl_s: float = REPORT_TTL_S,
+        extra: dict | None = None,
     ) -> None:
+        """`extra`: more of this replica to report with its versions (where its engine
+        takes generations: `backend`)."""
         self.store, self.apply, self.replica = store, apply, replica
+        self.extra = dict(extra or {})
         self.period_s, self.ttl_s = period_s, ttl_s
         self.epoch: str | None = None
         self.version = -1  # nothing applied yet
@@ -513,6 +517,7 @@ class Reconciler:
 
     def report(self) -> dict:
         return {
+            **self.extra,
             "epoch": self.epoch,
             "version": self.version,
             "rejected": self.rejected,

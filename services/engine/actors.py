@@ -63,8 +63,11 @@ class EngineRank:
         model_id: str,
         patch_store_address: str | None = None,
         redis_url: str | None = None,
-    ) -> bool:
-        """Join the replica and build this rank's engine (blocks until every rank joined)."""
+        backend: tuple[tuple[str, str], bytes] | None = None,
+    ) -> Any:
+        """Join the replica and build this rank's engine (blocks until every rank joined).
+        `backend`: ((bind host, advertised host), key) of a delta server the driver starts
+        for the gateway (`process_backend.BackendServer`); the driver returns its address."""
         from services.engine.async_llm import AsyncLLM
         from services.engine.config import EngineConfig
         from services.engine.distributed import init_replica, run_worker
@@ -90,10 +93,20 @@ class EngineRank:
 
                 replica_id = ray.get_runtime_context().get_actor_id()
                 self.link = EngineLink(self.service.llm, redis_url, replica_id)
+            if backend is not None:
+                from services.gateway.process_backend import BackendServer
+
+                hosts, key = backend
+                if hosts[1] != hosts[0] and hosts[0] == "0.0.0.0":  # this rank's node
+                    import ray
+
+                    hosts = (hosts[0], ray.util.get_node_ip_address())
+                self.backend = BackendServer(self.service, hosts, key)
+                return self.backend.start()
         else:
             self._worker = threading.Thread(target=run_worker, args=(engine,), daemon=True)
             self._worker.start()
-        return True
+        return None
 
     def alive(self) -> bool:
         return self._worker is None or self._worker.is_alive()
@@ -134,7 +147,10 @@ class EngineReplica:
         redis_url: str | None = None,
         num_gpus_per_rank: float = 0,
         num_cpus_per_rank: float = 0,
+        backend: tuple[tuple[str, str], bytes] | None = None,
     ):
+        """`backend`: ((bind, advertised) host, key) of the delta server the driver rank
+        starts for the gateway; its address is then `self.backend`."""
         import ray
 
         world = tp_size * pp_size
@@ -152,7 +168,7 @@ class EngineReplica:
             for rank, strategy in enumerate(_rank_strategies(world))
         ]
         init_method = ray.get(self.ranks[0].address.remote())
-        ray.get(
+        started = ray.get(
             [
                 r.start.remote(
                     init_method,
@@ -161,11 +177,13 @@ class EngineReplica:
                     model_id or model,
                     patch_store_address,
                     redis_url,
+                    backend,
                 )
                 for r in self.ranks
             ]
         )
         self.driver = self.ranks[0]
+        self.backend = started[0]  # the driver's delta server (None: none asked for)
 
     def placement(self) -> list[dict[str, Any]]:
         """Where each rank runs (`process_placement`, with its `rank`)."""

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import ServiceUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine, Prompt
 from services.engine.outputs import RequestDelta
@@ -272,7 +273,7 @@ class AsyncLLM:
                 log.exception("engine step failed")
                 with self._lock:
                     failed = [self.engine.abort(rid) for rid in list(self.engine.requests)]
-                self._emit(failed, RuntimeError(f"engine step failed: {e}"))
+                self._emit(failed, self._step_error(e))
                 continue
             self._emit(outputs)
             for listener in self._listeners:
@@ -280,6 +281,16 @@ class AsyncLLM:
                     listener(outputs)
                 except Exception:
                     log.exception("output listener failed")
+
+    def _step_error(self, exc: Exception) -> Exception:
+        """What a failed step's requests get: on a replica of several ranks, the replica's
+        failure (a rank died or diverged, and its owner replaces it: retry); else the bug."""
+        if self.engine.sync is not None:
+            return ServiceUnavailableError(
+                f"the engine replica failed during the call ({type(exc).__name__} in its "
+                "ranks' lock-step): retry shortly"
+            )
+        return RuntimeError(f"engine step failed: {exc}")
 
     def shutdown(self) -> None:
         self._stopped = True

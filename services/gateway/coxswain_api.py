@@ -132,6 +132,9 @@ class Health(BaseModel):
     status: Literal["ok"]
     model: str
     steps: int
+    engine_links: int | None = Field(
+        None, description="a cluster's gateway: engine replicas it streams from directly"
+    )
 
 
 class State(BaseModel):

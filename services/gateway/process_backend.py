@@ -80,11 +80,15 @@ STREAMS = frozenset({"patch_sweep"})
 
 @dataclass(frozen=True)
 class BackendAddress:
-    """Where a `BackendServer` listens and the key that opens it (pass it to the front end's
-    process; never log the key)."""
+    """Where a `BackendServer` listens (a Unix socket's path, or a TCP (host, port)) and the
+    key that opens it (pass it to the front end's process; never log the key)."""
 
-    path: str
+    path: str | tuple[str, int]
     authkey: bytes = field(repr=False)
+
+    @property
+    def family(self) -> str:
+        return "AF_UNIX" if isinstance(self.path, str) else "AF_INET"
 
 
 class BackendServer:
@@ -94,19 +98,33 @@ class BackendServer:
     reader thread per connection. `start()` returns the address to give a `ProcessBackend`.
     """
 
-    def __init__(self, service: EngineService):
+    def __init__(
+        self,
+        service: EngineService,
+        tcp: tuple[str, str] | None = None,
+        authkey: bytes | None = None,
+    ):
+        """`tcp`: listen on (bind host, advertised host) at a free port instead of a Unix
+        socket, for front ends on other machines (a cluster's gateway); `authkey`: the key
+        they hold (default: a fresh one)."""
         self.service = service
         self._dir = tempfile.TemporaryDirectory(prefix="coxswain-backend-")  # mode 0700
-        self.address = BackendAddress(
-            str(Path(self._dir.name) / "engine.sock"), secrets.token_bytes(32)
-        )
+        authkey = authkey or secrets.token_bytes(32)
+        self._tcp = tcp
+        path = str(Path(self._dir.name) / "engine.sock")
+        self.address = BackendAddress((tcp[0], 0) if tcp else path, authkey)
         self._listener: Listener | None = None
         self._loop = asyncio.new_event_loop()
         self._closed = False
 
     def start(self) -> BackendAddress:
-        self._listener = Listener(self.address.path, "AF_UNIX", authkey=self.address.authkey)
-        os.chmod(self.address.path, 0o600)
+        address = self.address
+        self._listener = Listener(address.path, address.family, authkey=address.authkey)
+        if self._tcp:  # the port the system chose, at the host peers can reach
+            port = self._listener.address[1]
+            self.address = BackendAddress((self._tcp[1], port), address.authkey)
+        else:
+            os.chmod(address.path, 0o600)
         for target, name in ((self._loop.run_forever, "loop"), (self._accept, "accept")):
             threading.Thread(target=target, name=f"backend-{name}", daemon=True).start()
         return self.address
@@ -160,7 +178,7 @@ class _ServerLink:
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
-            self.conn.send(msg)
+            self.conn.send_bytes(_dumps(msg))
 
     async def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -251,6 +269,13 @@ class _ServerLink:
             self._streams.pop(call_id, None)
 
 
+def _dumps(msg: tuple) -> bytes:
+    """Plain pickle, tensors' bytes included: `Connection.send` pickles with torch's reducers,
+    which pass a tensor's memory as a file descriptor that only a process of the same host
+    and multiprocessing key can open (a cluster's gateway is neither)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _receive(conn: Connection) -> tuple | None:
     """The next message (None for one that does not unpickle: logged, and the connection
     reads on, since messages are framed); EOFError/OSError once the peer is gone."""
@@ -280,13 +305,15 @@ class ProcessBackend:
     has not taken; closing it early aborts the request.
     """
 
-    def __init__(self, address: BackendAddress, model_dir: str | Path):
+    def __init__(self, address: BackendAddress, model_dir: str | Path | None):
+        """`model_dir`: where the renderer reads the tokenizer (None: the caller renders)."""
         try:
-            self._conn = Client(address.path, "AF_UNIX", authkey=address.authkey)
+            self._conn = Client(address.path, address.family, authkey=address.authkey)
         except OSError as exc:
             raise ServiceUnavailableError(
                 f"the engine at {address.path} is not reachable: {exc}"
             ) from None
+        self.alive = True  # until the connection breaks
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._calls: dict[int, Future] = {}
@@ -298,14 +325,20 @@ class ProcessBackend:
         self.model_id: str = self._card["id"]
         # The renderer needs the tokenizer here (token texts for logprobs); the files are the
         # engine's, read from the same local checkpoint directory.
-        self.engine = SimpleNamespace(tokenizer=Tokenizer(model_dir))
+        if model_dir is not None:
+            self.engine = SimpleNamespace(tokenizer=Tokenizer(model_dir))
+
+    @property
+    def num_streams(self) -> int:
+        """Generations this front end has running on the engine."""
+        return len(self._streams)
 
     # -- the wire ----------------------------------------------------------------------------
 
     def _send(self, msg: tuple) -> None:
         try:
             with self._send_lock:
-                self._conn.send(msg)
+                self._conn.send_bytes(_dumps(msg))
         except OSError as exc:
             raise ServiceUnavailableError(f"the engine is gone: {exc}") from None
 
@@ -316,7 +349,10 @@ class ProcessBackend:
                 if msg is not None:
                     self._dispatch(msg)
         except (EOFError, OSError):
-            gone = ServiceUnavailableError("the engine closed its connection")
+            self.alive = False
+            gone = ServiceUnavailableError(
+                "the engine replica failed during the call (its connection closed): retry shortly"
+            )
             DeltaStream.deliver_all((s, gone) for s in list(self._streams.values()))
             for call in list(self._calls.values()):
                 call.set_exception(gone)

@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import tempfile
 import threading
 import uuid
@@ -45,7 +46,9 @@ from services.common.errors import (
     ServiceUnavailableError,
     unwrap_ray_error,
 )
+from services.gateway.engine_links import EngineLinks
 from services.gateway.http_auth import DEFAULT_MAX_BODY_BYTES
+from services.gateway.process_backend import ProcessBackend
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,12 @@ class AppArgs(BaseModel):
         DEFAULT_MAX_BODY_BYTES,
         ge=0,
         description="largest HTTP request body (413 beyond, before reading)",
+    )
+    backend_secret: str | None = Field(
+        None,
+        description="hex key of the links between the gateway and the engine replicas' delta "
+        "servers (build_app draws one when unset)",
+        repr=False,
     )
 
     @field_validator("redis_url")
@@ -219,8 +228,27 @@ class EngineDeployment:
                 patch_store_address=store_address,
                 redis_url=a.redis_url,
                 num_gpus_per_rank=a.num_gpus_per_rank,
+                backend=(_backend_hosts(a), _backend_key(a)),
             )
-        self.reconciler = Reconciler(cluster_store(a.redis_url), self._apply, self.replica_id)
+        # Generations take a direct link from the gateway to the engine's process, one
+        # message per engine step however many streams it advanced; the replica's report
+        # tells the gateway where (Serve's handle stream costs a Ray call per token, in the
+        # process that steps the engine).
+        if self.replica is not None:
+            self.backend = self.replica.backend
+        else:
+            from services.gateway.process_backend import BackendServer
+
+            self.backend = BackendServer(self.service, _backend_hosts(a), _backend_key(a)).start()
+        self.reconciler = Reconciler(
+            cluster_store(a.redis_url),
+            self._apply,
+            self.replica_id,
+            extra={
+                "backend": list(self.backend.path),
+                "app": serve.get_replica_context().app_name,
+            },
+        )
         # Admin state applies before the first request, then follows every change. A failure
         # (an entry this engine refuses, the store unreachable) is reported, never fatal.
         _run_in_thread(self.reconciler.step())
@@ -293,6 +321,22 @@ class EngineDeployment:
             raise ServiceUnavailableError("the engine thread stopped")
 
 
+def _backend_hosts(a: AppArgs) -> tuple[str, str]:
+    """(bind, advertised) host of an engine replica's delta server: the gateway's interface
+    for a loopback cluster, else every interface, reached at this node's address."""
+    import ray
+
+    if a.bind_host in ("127.0.0.1", "localhost", "::1"):
+        return a.bind_host, a.bind_host
+    return "0.0.0.0", ray.util.get_node_ip_address()
+
+
+def _backend_key(a: AppArgs) -> bytes:
+    if not a.backend_secret:
+        raise CoxswainError("backend_secret is unset: build the application with build_app")
+    return bytes.fromhex(a.backend_secret)
+
+
 def _check_holds_gpu(a: AppArgs) -> None:
     """Refuse to build a one-rank engine replica on CUDA without a GPU of Ray's: every such
     replica would use the same cuda:0. (A Serve config's Engine `ray_actor_options` replace
@@ -322,8 +366,17 @@ class RemoteEngine:
     replicas behind: the next request sees the change, whichever replica serves it.
     """
 
-    def __init__(self, handle: Any, store: ClusterStore, apply_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        handle: Any,
+        store: ClusterStore,
+        apply_timeout_s: float = 10.0,
+        links: EngineLinks | None = None,
+    ):
+        """`links`: direct links to the replicas for generation (`engine_links.py`); without
+        one linked, generations stream through the handle."""
         self.handle = handle
+        self.links = links
         self.store, self.apply_timeout_s = store, apply_timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="remote-engine")
         self._card = self._sync(self.handle.call.remote(_method("model_card")))
@@ -374,6 +427,15 @@ class RemoteEngine:
         self, prompt: Any, params: Any, request_id: str | None = None
     ) -> AsyncIterator:
         rid = request_id or f"req-{uuid.uuid4().hex}"
+        link = self.links.pick() if self.links is not None else None
+        if link is not None:  # closing the generator early aborts the request there
+            self._streams[rid] = link
+            try:
+                async for out in link.generate(prompt, params, rid):
+                    yield out
+            finally:
+                self._streams.pop(rid, None)
+            return
         stream = self.handle.options(stream=True).generate.remote(prompt, params, rid)
         self._streams[rid] = stream
         try:
@@ -387,7 +449,9 @@ class RemoteEngine:
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if isinstance(stream, ProcessBackend):
+            await stream.abort(request_id)
+        elif stream is not None:
             stream.cancel()
 
     async def patch_sweep(self, spec: Any) -> AsyncIterator[dict]:
@@ -502,10 +566,14 @@ class RemoteEngine:
         return self._sync(self.handle.stats.remote())
 
     def health(self) -> dict:
-        return self._call(_method("health"))
+        """One replica's health, and how many replicas the gateway streams from directly."""
+        links = len(self.links) if self.links is not None else 0
+        return {**self._call(_method("health")), "engine_links": links}
 
     async def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
+        if self.links is not None:
+            self.links.close()
 
 
 def _gateway_asgi(args: dict) -> Any:
@@ -517,7 +585,9 @@ def _gateway_asgi(args: dict) -> Any:
         a = AppArgs.model_validate(args)
         app_name = serve.get_replica_context().app_name
         engine = serve.get_deployment_handle("Engine", app_name=app_name)
-        backend = RemoteEngine(engine, cluster_store(a.redis_url), a.admin_apply_timeout_s)
+        cluster = cluster_store(a.redis_url)
+        links = EngineLinks(cluster, _backend_key(a), app_name)
+        backend = RemoteEngine(engine, cluster, a.admin_apply_timeout_s, links)
         keys = ApiKeys.from_env(a.api_keys_file)
         if not keys.enabled and not a.allow_no_auth:
             raise CoxswainError(
@@ -650,6 +720,8 @@ def build_app(args: dict) -> Any:
     config (or `engine_replicas`). The builder has no side effects: the first Engine replica
     starts the shared actors (`start_cluster_actors`)."""
     a = AppArgs.model_validate(args)
+    if a.backend_secret is None:  # bound into both deployments: their replicas share it
+        a = a.model_copy(update={"backend_secret": secrets.token_hex(32)})
     plain = a.model_dump()
     engine_ongoing, gateway_ongoing = max_ongoing_requests(a)
     engine = serve.deployment(

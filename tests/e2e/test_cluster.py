@@ -115,6 +115,20 @@ def _want(offline, **params) -> list[float]:
     return [out.logprobs[i][t] for i, t in enumerate(out.token_ids)]
 
 
+def test_generations_take_direct_links_to_every_engine_replica(client, offline):
+    """The gateway streams from each replica's delta server (not through Serve's handle):
+    it links to both replicas, and what comes back is what the engine computes."""
+    deadline = time.monotonic() + 60
+    while client.get("/health").json().get("engine_links") != 2:
+        assert time.monotonic() < deadline, client.get("/health").json()
+        time.sleep(0.5)
+    want = _want(offline, max_tokens=4, logprobs=1)
+    for _ in range(4):  # least-loaded picks: both replicas serve some of them
+        assert _logprobs(_complete(client, max_tokens=4, logprobs=1)) == pytest.approx(
+            want, abs=1e-4
+        )
+
+
 def test_steered_captured_patched_requests_match_the_offline_engine(client, offline):
     steering = {"vectors": [{"layers": [0, 1], "vector": _vec(1), "scale": 2.0}]}
     patch = [{"layer": 0, "position": 4, "source": {"vector": _vec(3, 10.0)}}]
