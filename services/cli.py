@@ -21,7 +21,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences a step batches (default: 256 on CUDA, 64 on CPU)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
 
 

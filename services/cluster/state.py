@@ -344,6 +344,9 @@ def state_actor() -> Any:
             get_if_exists=True,
             max_restarts=-1,
             num_cpus=0,
+            # Not in the placement group of whichever TP replica starts it first: removing
+            # that group would take the cluster's state with it.
+            scheduling_strategy="DEFAULT",
         )
         .remote()
     )
