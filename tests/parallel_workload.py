@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from services.common.errors import InvalidRequestError, PatchPassUnavailableError
+from services.common.errors import InvalidRequestError
 from services.engine import LLM, SamplingParams
 from tests.adapter_states import random_state
 
@@ -141,18 +141,6 @@ def sweep(engine) -> dict:
         sites=["pre_attn", "post_attn", "post_block"],
     )
     return {"grid": res.grid, "corrupt": res.corrupt, "passes": engine.num_patch_passes}
-
-
-def pass_refused(engine) -> str:
-    from services.engine.model.patch_pass import PassCell, PassJob
-
-    ids = engine.tokenizer.encode("the slow brown fox")
-    job = PassJob(ids, [PassCell(0, "post_block", 1, 1)], token_ids=[5], clean_ids=ids)
-    try:
-        engine.run_patch_pass(job)
-    except PatchPassUnavailableError as e:
-        return str(e)
-    return "no error"
 
 
 # Intervened decode steps replay CUDA graphs at every site (a replica captures them per rank).

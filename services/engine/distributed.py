@@ -6,8 +6,8 @@ each step it broadcasts what changed since the last one: the requests it admitte
 resolved: steering, patch sources and captures are resolved on the driver only), aborts,
 vector-registry changes and the controller actions it drained. Every other rank replays that
 list, so all ranks make the same scheduling and steering decisions with no further talk.
-A patch pass (`LLMEngine.run_patch_pass`, TP only) travels the same way in place of a step:
-each rank runs its forward with the driver.
+A patch pass (`LLMEngine.run_patch_pass`) travels the same way in place of a step: each rank
+runs its forward with the driver, stage by stage, and the last stage's result is broadcast.
 
 After the forward pass the ranks exchange what only some of them computed: the sampled
 tokens of the last stage, and each stage's captures, read-out scores and gate firings. With
@@ -41,7 +41,7 @@ from services.engine.parallel import ParallelContext, symmetric_all_reduce
 if TYPE_CHECKING:
     from services.engine.interventions.planner import StepInterventions
     from services.engine.llm_engine import LLMEngine
-    from services.engine.model.patch_pass import PassJob
+    from services.engine.model.patch_pass import PassJob, PassResult
     from services.engine.model_runner import StepResult
     from services.engine.scheduler import SchedulerOutput
 
@@ -261,6 +261,12 @@ class StepSync:
         if self.ctx.rank != self.result_rank:
             result.sampled = [None if t == NO_TOKEN else t for t in sampled.tolist()]
         return result
+
+    def share_pass_result(self, result: PassResult | None) -> PassResult:
+        """Every rank gets the patch pass's result, which only the last stage computed."""
+        box = [result]
+        dist.broadcast_object_list(box, src=self.result_rank, group=self.group)
+        return box[0]
 
     def stop(self) -> None:
         """Driver: release the other ranks from their step loops (they raise ReplicaStopped)."""

@@ -621,8 +621,6 @@ class LLMEngine:
 
     def patch_pass_unavailable(self) -> str | None:
         """Why `run_patch_pass` cannot run on this engine now, in words (None: it can)."""
-        if self.runner.ctx.pp_size > 1:
-            return "the replica spans several pipeline stages"
         if self.interventions.steers_prefill_globally():
             return "global prefill steering is installed, and a pass applies no steering"
         return None
@@ -640,7 +638,7 @@ class LLMEngine:
             )
         if self.sync is None:  # a one-process replica applies its own queue
             self.interventions.apply_actions()
-        elif self.runner.ctx.pp_size == 1:
+        else:
             with self.sync.lock:
                 actions, _ = self.sync.exchange(self, job)
                 self.interventions.apply_actions(actions)
@@ -654,6 +652,8 @@ class LLMEngine:
         if job.source_rows is not None:
             job = replace(job, source_rows=job.source_rows.to(self.device))
         result = run_patch_pass(self.runner.model, job)
+        if self.sync is not None and self.runner.ctx.pp_size > 1:  # the last stage's
+            result = self.sync.share_pass_result(result)
         self.num_patch_passes += 1
         self.num_patch_pass_tokens += job.num_tokens
         return result

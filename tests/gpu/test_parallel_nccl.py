@@ -44,11 +44,13 @@ def test_nccl_replica_matches_one_gpu(checkpoint, tp, pp):
             torch.testing.assert_close(g["captures"][key], t, atol=1e-3, rtol=0)
 
 
-def test_nccl_tp_sweep_runs_patch_passes_like_one_gpu(checkpoint):
-    """Each layered patch pass runs on both TP ranks (all-reduces over NCCL), between steps."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_nccl_sweep_runs_patch_passes_like_one_gpu(checkpoint, tp, pp):
+    """Each layered patch pass runs on every rank (all-reduces, and the stage hand-off of
+    the packed residual, over NCCL), between steps."""
     want = parallel_workload.sweep(LLMEngine(checkpoint, CONFIG))
     got = launch_local(
-        str(checkpoint), 2, 1, parallel_workload.sweep, engine_config=CONFIG, device_type="cuda"
+        str(checkpoint), tp, pp, parallel_workload.sweep, engine_config=CONFIG, device_type="cuda"
     )
     assert want["passes"] > 0 and got["passes"] == want["passes"]
     assert math.isclose(got["corrupt"], want["corrupt"], abs_tol=1e-3)

@@ -95,18 +95,13 @@ def test_a_rank_whose_steering_state_drifted_fails_the_step(checkpoint, tp, pp):
     assert got == "ranks [1] of this replica hold different steering state than rank 0"
 
 
-def test_a_sweep_runs_as_patch_passes_on_a_tp_replica(checkpoint):
-    """Every rank of a TP replica runs each layered patch pass's forward, between steps, in
-    lock-step with the driver: the grid is one process's."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_a_sweep_runs_as_patch_passes_on_a_parallel_replica(checkpoint, tp, pp):
+    """Every rank runs each layered patch pass's forward, between steps, in lock-step with
+    the driver (stage by stage across pipeline stages, the last one's result shared): the
+    grid is one process's, from as many passes."""
     want = parallel_workload.sweep(LLMEngine(checkpoint, CONFIG))
-    got = launch_local(str(checkpoint), 2, 1, parallel_workload.sweep, engine_config=CONFIG)
+    got = launch_local(str(checkpoint), tp, pp, parallel_workload.sweep, engine_config=CONFIG)
     assert want["passes"] > 0 and got["passes"] == want["passes"]
     assert math.isclose(got["corrupt"], want["corrupt"], abs_tol=1e-4)
     np.testing.assert_allclose(got["grid"], want["grid"], atol=1e-4, rtol=0)
-
-
-def test_a_sweep_on_a_pp_replica_says_why_it_cannot_use_patch_passes(checkpoint):
-    got = launch_local(str(checkpoint), 1, 2, parallel_workload.pass_refused, engine_config=CONFIG)
-    assert (
-        got == "a patch pass cannot run on this engine: the replica spans several pipeline stages"
-    )

@@ -178,11 +178,17 @@ def _layout(
 
 
 @torch.inference_mode()
-def run_patch_pass(model, job: PassJob) -> PassResult:
-    """Forward `job` through `model` (a whole `LlamaFamilyForCausalLM`: one stage, one rank)
-    and return every member's last-position logprobs of `job.token_ids`."""
-    device = model.norm.weight.device
-    dtype = model.norm.weight.dtype
+def run_patch_pass(model, job: PassJob) -> PassResult | None:
+    """Forward `job` through `model` (a `LlamaFamilyForCausalLM`) and return every member's
+    last-position logprobs of `job.token_ids`.
+
+    On a pipeline stage the pass runs stage by stage: a stage after the first receives the
+    packed residual `[N, H]` from the one before (every stage plans the same layout), runs
+    its layers with their joins, and hands it on; the last stage returns the result, the
+    others None. TP ranks of a stage run it together (the Linears all-reduce)."""
+    ctx = model.ctx
+    weight = next(model.parameters())
+    device, dtype = weight.device, weight.dtype
     base = [job.corrupt_ids] + ([job.corrupt_ids] if job.with_control else [])
     clean_member = None
     if job.clean_ids is not None:
@@ -228,9 +234,12 @@ def run_patch_pass(model, job: PassJob) -> PassResult:
         h.index_copy_(0, rows, patched)
 
     n_total = lay.ends[-1]
-    h = torch.empty(n_total, model.cfg.hidden_size, dtype=dtype, device=device)  # [N, H]
-    ids = torch.tensor([t for ids in base for t in ids], dtype=torch.long).to(device)
-    h[: ids.numel()] = model.embed_tokens(ids)
+    if ctx.is_first_stage:  # rows of members that join later are filled when they join
+        h = torch.empty(n_total, model.cfg.hidden_size, dtype=dtype, device=device)  # [N, H]
+        ids = torch.tensor([t for ids in base for t in ids], dtype=torch.long).to(device)
+        h[: ids.numel()] = model.embed_tokens(ids)
+    else:
+        h = ctx.recv_from_prev_stage((n_total, model.cfg.hidden_size), dtype, device)
     for layer in model.layers.values():
         L = layer.layer_idx
         join(h, join_point(L, "pre_attn"))
@@ -241,6 +250,9 @@ def run_patch_pass(model, job: PassJob) -> PassResult:
         n = lay.rows_of(lay.members_by(join_point(L, "post_attn")))
         h[:n] += layer.mlp(layer.post_attention_layernorm(h[:n]))
         join(h, join_point(L, "post_block"))
+    if not ctx.is_last_stage:
+        ctx.send_to_next_stage(h)
+        return None
     last = model.norm(h.index_select(0, lay.last_rows))  # [M, H]
     logprobs = torch.log_softmax(model.compute_logits(last).float(), dim=-1)
     picked = logprobs[:, torch.tensor(job.token_ids, device=device)].cpu()  # [M, K]
