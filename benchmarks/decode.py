@@ -18,6 +18,7 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
     PYTHONPATH=. python3 benchmarks/decode.py --shape qwen3-0.6b
     PYTHONPATH=. python3 benchmarks/decode.py --shape llama3-8b --systems ceiling,coxswain
     PYTHONPATH=. python3 benchmarks/decode.py --shape llama3-8b --systems coxswain --tp 2
+    PYTHONPATH=. python3 benchmarks/decode.py --shape llama3-70b --systems none --tp 4
     PYTHONPATH=. python3 benchmarks/decode.py --shape tiny --device cpu --batch-sizes 1,4
 
 Prints numbers only; it is never a pass/fail test.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import tempfile
 import time
@@ -53,8 +55,15 @@ SHAPES = {  # make_tiny_checkpoint arguments of real models' shapes
         arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
         intermediate=14336, vocab=128256,
     ),
+    "llama3-70b": dict(
+        arch="llama", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
+        intermediate=28672, vocab=128256,
+    ),
     "tiny": dict(arch="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512),
 }  # fmt: skip
+# Shapes written straight into shards of two layers by parallel processes (140 GB in bf16:
+# one process drawing it all in memory would need twice that in float32).
+STREAMED = {"llama3-70b"}
 
 
 # -- the ceiling: a static-KV decoder in one CUDA graph ------------------------------------
@@ -248,17 +257,21 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    systems = args.systems.split(",")
+    systems = [s for s in args.systems.split(",") if s not in ("", "none")]
     max_len = args.context + args.steps + 64
     tmp = tempfile.TemporaryDirectory()
     label = str(args.model or args.shape)
     if args.model is None:
         t = time.perf_counter()
+        streamed = {}
+        if args.shape in STREAMED:
+            streamed = dict(layers_per_shard=2, workers=min(16, os.cpu_count() or 1))
         args.model = make_tiny_checkpoint(
             Path(tmp.name) / args.shape,
             **SHAPES[args.shape],
             max_position_embeddings=max(2048, max_len),
             dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+            **streamed,
         )
         print(f"generated a random {args.shape} checkpoint in {time.perf_counter() - t:.0f} s")
     cfg = load_model_config(args.model)
@@ -327,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
             device_type=device.type,
         )
         print(f"{name} replica measured in {time.perf_counter() - t:.1f} s")
+        # each GPU reads its 1/tp share of a stage's weights and KV (stages run in turn)
+        share = {b: tp * roof[b] for b in batches}
+        print(f"{name} roofline: " + ", ".join(f"batch {b} {share[b]:,.0f} tok/s" for b in batches))
 
     ceiling = results.get("ceiling", {})
     print(f"\ndecode at context {args.context}, {args.steps} steps; ratio = tok/s ÷ ceiling")

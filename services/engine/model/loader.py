@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -54,12 +54,17 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
-def iter_checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(
+    model_dir: str | Path, wanted: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint whose name is `wanted`; the others are never read (a
+    pipeline stage skips the other stages' layers)."""
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, f.get_tensor(name)
+                    if wanted(name):
+                        yield name, f.get_tensor(name)
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"cannot read {path}: {e}") from None
 
@@ -123,7 +128,7 @@ def load_weights(model: LlamaFamilyForCausalLM, model_dir: str | Path) -> None:
 
     loaded: set[tuple[str, object]] = set()
     unknown: list[str] = []
-    for hf_name, tensor in iter_checkpoint_tensors(model_dir):
+    for hf_name, tensor in iter_checkpoint_tensors(model_dir, lambda n: bool(_target(model, n))):
         for name, shard in _target(model, hf_name):
             if name not in params:
                 unknown.append(hf_name)

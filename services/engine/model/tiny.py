@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,11 +124,17 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     shards: int = 1,
+    layers_per_shard: int | None = None,
+    workers: int = 1,
 ) -> pathlib.Path:
     """Write a tiny random `arch` checkpoint with tokenizer into `out_dir` and return its path.
 
     Weights come from `torch.Generator().manual_seed(seed)`, scaled so greedy decoding has
     clear winners (no near-ties between the top two logits).
+
+    `layers_per_shard` writes a checkpoint of any size straight into shards of that many
+    layers, each from its own generator, by `workers` processes, never holding more than
+    `workers` shards in memory (a 70B shape, say); `shards` is then ignored.
     """
     if arch not in _ARCH_TRAITS:
         raise ValueError(
@@ -187,8 +194,7 @@ def make_tiny_checkpoint(
         bos_id=bos_id,
         eos_id=eos_id,
     )
-    weights = _random_weights(
-        traits,
+    shape = dict(
         layers=layers,
         hidden=hidden,
         heads=heads,
@@ -196,16 +202,22 @@ def make_tiny_checkpoint(
         vocab=vocab,
         intermediate=intermediate,
         head_dim=head_dim,
-        seed=seed,
     )
-    weights = {name: t.to(_DTYPES[dtype]).contiguous() for name, t in weights.items()}
-    if shards > len(weights):
-        raise ValueError(f"shards ({shards}) exceeds the number of tensors ({len(weights)})")
-
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", config)
-    _write_weights(out, weights, shards)
+    if layers_per_shard is not None:
+        if layers_per_shard < 1 or workers < 1:
+            raise ValueError("layers_per_shard and workers must be >= 1")
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "config.json", config)
+        _write_layer_shards(out, traits, shape, seed, _DTYPES[dtype], layers_per_shard, workers)
+    else:
+        weights = _random_weights(traits, seed=seed, **shape)
+        weights = {name: t.to(_DTYPES[dtype]).contiguous() for name, t in weights.items()}
+        if shards > len(weights):
+            raise ValueError(f"shards ({shards}) exceeds the number of tensors ({len(weights)})")
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "config.json", config)
+        _write_weights(out, weights, shards)
     _write_tokenizer_files(out, tokenizer, traits["adds_bos"], special_ids, max_position_embeddings)
     return out
 
@@ -269,8 +281,19 @@ def _config(
     return config
 
 
-def _random_weights(
+def _random_weights(traits: dict[str, Any], *, seed: int, **shape: int) -> dict[str, torch.Tensor]:
+    """HF-named float32 tensors, drawn in a fixed order from one seeded generator (see
+    `_random_tensors`)."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(_random_tensors(traits, gen, range(shape["layers"]), True, True, **shape))
+
+
+def _random_tensors(
     traits: dict[str, Any],
+    gen: torch.Generator,
+    layer_ids: range,
+    first: bool,
+    last: bool,
     *,
     layers: int,
     hidden: int,
@@ -279,9 +302,9 @@ def _random_weights(
     vocab: int,
     intermediate: int,
     head_dim: int,
-    seed: int,
-) -> dict[str, torch.Tensor]:
-    """HF-named float32 tensors, drawn in a fixed order from one seeded generator.
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 tensors of `layer_ids` (with the embedding when `first`, the final
+    norm and head when `last`), drawn in a fixed order from `gen`.
 
     Scales are chosen so greedy decoding has clear winners that depend on the context:
     embeddings and lm_head ~ N(0, 1), so logits have std ~ sqrt(hidden) whether tied or not;
@@ -290,7 +313,7 @@ def _random_weights(
     embedding (otherwise a tied model's top logit is e.e and it just repeats its input);
     biases ~ N(0, 0.1); norm weights 1 + 0.1 * N(0, 1), so a forgotten norm changes the output.
     """
-    gen = torch.Generator().manual_seed(seed)
+    del layers  # the whole model's depth: `layer_ids` says which layers to draw
 
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
@@ -302,29 +325,80 @@ def _random_weights(
         return 1.0 + normal(size, std=0.1)
 
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
-    for i in range(layers):
+    if first:
+        yield "model.embed_tokens.weight", normal(vocab, hidden, std=1.0)
+    for i in layer_ids:
         p = f"model.layers.{i}"
-        w[f"{p}.input_layernorm.weight"] = norm(hidden)
-        w[f"{p}.self_attn.q_proj.weight"] = linear(q_out, hidden)
-        w[f"{p}.self_attn.k_proj.weight"] = linear(kv_out, hidden)
-        w[f"{p}.self_attn.v_proj.weight"] = linear(kv_out, hidden)
+        yield f"{p}.input_layernorm.weight", norm(hidden)
+        yield f"{p}.self_attn.q_proj.weight", linear(q_out, hidden)
+        yield f"{p}.self_attn.k_proj.weight", linear(kv_out, hidden)
+        yield f"{p}.self_attn.v_proj.weight", linear(kv_out, hidden)
         if traits["qkv_bias"]:
-            w[f"{p}.self_attn.q_proj.bias"] = normal(q_out, std=0.1)
-            w[f"{p}.self_attn.k_proj.bias"] = normal(kv_out, std=0.1)
-            w[f"{p}.self_attn.v_proj.bias"] = normal(kv_out, std=0.1)
+            yield f"{p}.self_attn.q_proj.bias", normal(q_out, std=0.1)
+            yield f"{p}.self_attn.k_proj.bias", normal(kv_out, std=0.1)
+            yield f"{p}.self_attn.v_proj.bias", normal(kv_out, std=0.1)
         if traits["qk_norm"]:
-            w[f"{p}.self_attn.q_norm.weight"] = norm(head_dim)
-            w[f"{p}.self_attn.k_norm.weight"] = norm(head_dim)
-        w[f"{p}.self_attn.o_proj.weight"] = linear(hidden, q_out, gain=hidden**0.5)
-        w[f"{p}.post_attention_layernorm.weight"] = norm(hidden)
-        w[f"{p}.mlp.gate_proj.weight"] = linear(intermediate, hidden)
-        w[f"{p}.mlp.up_proj.weight"] = linear(intermediate, hidden)
-        w[f"{p}.mlp.down_proj.weight"] = linear(hidden, intermediate, gain=hidden**0.5)
-    w["model.norm.weight"] = norm(hidden)
-    if not traits["tied"]:
-        w["lm_head.weight"] = normal(vocab, hidden, std=1.0)
-    return w
+            yield f"{p}.self_attn.q_norm.weight", norm(head_dim)
+            yield f"{p}.self_attn.k_norm.weight", norm(head_dim)
+        yield f"{p}.self_attn.o_proj.weight", linear(hidden, q_out, gain=hidden**0.5)
+        yield f"{p}.post_attention_layernorm.weight", norm(hidden)
+        yield f"{p}.mlp.gate_proj.weight", linear(intermediate, hidden)
+        yield f"{p}.mlp.up_proj.weight", linear(intermediate, hidden)
+        yield f"{p}.mlp.down_proj.weight", linear(hidden, intermediate, gain=hidden**0.5)
+    if last:
+        yield "model.norm.weight", norm(hidden)
+        if not traits["tied"]:
+            yield "lm_head.weight", normal(vocab, hidden, std=1.0)
+
+
+def _write_layer_shards(
+    out: pathlib.Path,
+    traits: dict[str, Any],
+    shape: dict[str, int],
+    seed: int,
+    dtype: torch.dtype,
+    layers_per_shard: int,
+    workers: int,
+) -> None:
+    """Shards of `layers_per_shard` layers each (the embedding in the first, the final norm
+    and head in the last), each drawn from its own generator (`seed`, shard) and written as
+    it is drawn, by `workers` processes at once: a model of any size, in the memory of
+    `workers` shards, at the speed of the host's cores."""
+    layers = shape["layers"]
+    count = -(-layers // layers_per_shard)
+    jobs = [(out, traits, shape, seed, dtype, k, count, layers_per_shard) for k in range(count)]
+    if workers > 1:
+        ctx = torch.multiprocessing.get_context("spawn")
+        with ctx.Pool(min(workers, count)) as pool:
+            maps = pool.starmap(_write_one_shard, jobs)
+    else:
+        maps = [_write_one_shard(*job) for job in jobs]
+    weight_map = {name: f for m in maps for name, f in m.items()}
+    total = sum(f.stat().st_size for f in out.glob("model-*-of-*.safetensors"))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _write_one_shard(
+    out: pathlib.Path,
+    traits: dict[str, Any],
+    shape: dict[str, int],
+    seed: int,
+    dtype: torch.dtype,
+    k: int,
+    count: int,
+    layers_per_shard: int,
+) -> dict[str, str]:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
+    ids = range(k * layers_per_shard, min((k + 1) * layers_per_shard, shape["layers"]))
+    tensors = {
+        name: t.to(dtype).contiguous()
+        for name, t in _random_tensors(traits, gen, ids, k == 0, k == count - 1, **shape)
+    }
+    filename = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+    save_file(tensors, out / filename, metadata={"format": "pt"})
+    return dict.fromkeys(tensors, filename)
 
 
 def _write_weights(out: pathlib.Path, weights: dict[str, torch.Tensor], shards: int) -> None:

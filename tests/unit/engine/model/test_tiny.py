@@ -191,6 +191,39 @@ def test_sharded_checkpoint_loads_to_same_logits(transformers, tmp_path, checkpo
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
+def test_a_checkpoint_written_straight_into_layer_shards(transformers, tmp_path):
+    """`layers_per_shard` (how a 70B-shape checkpoint is written): each shard its layers,
+    the embedding in the first and the head in the last, the same bytes whatever the number
+    of writer processes; transformers and the engine load it to the same logits."""
+    from services.engine import LLM, LLMEngine, SamplingParams
+    from services.engine.config import EngineConfig
+
+    kw = dict(layers=3, layers_per_shard=2)
+    one = make_tiny_checkpoint(tmp_path / "one", "llama", **kw)
+    two = make_tiny_checkpoint(tmp_path / "two", "llama", workers=2, **kw)
+    index = json.loads((one / "model.safetensors.index.json").read_text())
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(set(index["weight_map"].values())) == files
+    first, last = (load_file(one / f) for f in files)
+    assert "model.embed_tokens.weight" in first and "model.layers.1.mlp.up_proj.weight" in first
+    assert "lm_head.weight" in last and "model.layers.2.mlp.up_proj.weight" in last
+    for f in files:
+        a, b = load_file(one / f), load_file(two / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    ids = _prompts(batch=1, length=12)
+    with torch.no_grad():
+        want = _load(transformers, one)(ids).logits[0, -1]
+    engine = LLMEngine(one, EngineConfig(device="cpu", num_kv_blocks=16))
+    params = SamplingParams(max_tokens=1, logprobs=5)
+    (out,) = LLM(engine=engine).generate([ids[0].tolist()], params)
+    got = out.outputs[0].logprobs[0]
+    assert len(got) >= 5
+    want_lp = torch.log_softmax(want.double(), -1)
+    for token, lp in got.items():
+        assert lp == pytest.approx(want_lp[token].item(), abs=1e-4)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_checkpoint_stores_that_dtype(transformers, tmp_path, dtype):
     path = make_tiny_checkpoint(tmp_path, "qwen2", dtype=dtype)
