@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from decode import SHAPES  # noqa: E402
 
+from services.cluster.local import ray_psutil  # noqa: E402  (Ray's own copy)
 from services.common.net import free_port  # noqa: E402
 from services.engine.config import BATCH_LIMITS  # noqa: E402
 from services.engine.model.tiny import make_tiny_checkpoint  # noqa: E402
@@ -85,7 +85,7 @@ def _gpu_memory() -> str:
 def _engine_replica_pids() -> list[int]:
     """Processes of Serve's Engine replicas (Ray titles them ray::ServeReplica:APP:Engine)."""
     pids = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in ray_psutil().process_iter(["cmdline"]):
         line = " ".join(proc.info["cmdline"] or [])
         if "ServeReplica" in line and ":Engine" in line:
             pids.append(proc.pid)
@@ -120,7 +120,7 @@ def _kill_run(args, url: str, key: str) -> None:
         time.sleep(2)
         victim = _engine_replica_pids()[0]
         t_kill = time.perf_counter()
-        psutil.Process(victim).kill()
+        ray_psutil().Process(victim).kill()
         out, err = run.communicate(timeout=900)
         print(f"    killed Engine replica pid {victim} 2 s into the run:")
         print("   ", (out.strip().splitlines() or [err[-500:]])[-1])

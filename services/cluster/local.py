@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -125,15 +126,15 @@ def _save_state(state: dict[str, Any]) -> None:
 # -- processes ---------------------------------------------------------------------------------
 
 
-def _psutil() -> Any:
-    # Ray ships psutil (ray/thirdparty_files) and puts it on sys.path when imported.
+def ray_psutil() -> Any:
+    """psutil: Ray ships it (ray/thirdparty_files) and puts it on sys.path when imported."""
     import ray  # noqa: F401
 
     return importlib.import_module("psutil")
 
 
 def _alive(proc: Any) -> bool:
-    psutil = _psutil()
+    psutil = ray_psutil()
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -142,7 +143,7 @@ def _alive(proc: Any) -> bool:
 
 def _terminate(procs: list[Any]) -> None:
     """SIGTERM, then SIGKILL whatever is still running after a grace period."""
-    psutil = _psutil()
+    psutil = ray_psutil()
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.terminate()
@@ -228,7 +229,7 @@ def _stop_redis(state: dict[str, Any]) -> bool:
     pid = state.get("redis_pid")
     if pid is None:
         return False
-    psutil = _psutil()
+    psutil = ray_psutil()
     try:
         proc = psutil.Process(pid)
         if "redis" not in proc.name() or not _alive(proc):  # the pid was reused
@@ -306,7 +307,7 @@ def _ray_processes(state: dict[str, Any]) -> list[Any]:
     sid = state.get("ray_session_id")
     if sid is None:
         return []
-    psutil = _psutil()
+    psutil = ray_psutil()
     members = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error, OSError):
@@ -479,7 +480,12 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
         state["ray_session_dir"] = ray._private.worker.global_worker.node.get_session_dir_path()
         state["ray_address"] = ray.get_runtime_context().gcs_address
         _save_state(state)
-        serve.start(http_options={"host": opts.host, "port": opts.http_port})
+        # HTTP comes from the Gateway's front-end processes on the public port (`http_port`
+        # below); Serve's own proxy, which would forward every token once more, listens on a
+        # loopback port nobody is told about (and Serve's INFO lines, which name it and
+        # speak of an "existing" app on a fresh cluster, stay quiet).
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         args = {
             "model": model,
             "tp": opts.tp,
@@ -493,6 +499,9 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
             "bind_host": opts.host,
             "patch_store_budget_gb": opts.patch_store_budget_gb,
             "engine_replicas": opts.replicas,
+            "http_port": opts.http_port,
+            # one event loop renders about 10k tokens/s: two per engine replica
+            "http_workers": max(2, 2 * opts.replicas),
             "num_gpus_per_rank": 1 if opts.device == "cuda" else 0,
         }
         app = build_app(args)  # the first engine replica starts the store and controller

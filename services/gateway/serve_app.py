@@ -18,9 +18,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import secrets
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -105,6 +109,13 @@ class AppArgs(BaseModel):
         ge=0,
         description="largest HTTP request body (413 beyond, before reading)",
     )
+    http_port: int | None = Field(
+        None,
+        description="serve HTTP on this port from front-end processes of the Gateway replica, "
+        "each linked to every engine replica, instead of through Serve's proxy (coxswain up "
+        "does); null: Serve's proxy only",
+    )
+    http_workers: int = Field(2, ge=1, description="front-end processes with http_port")
     backend_secret: str | None = Field(
         None,
         description="hex key of the links between the gateway and the engine replicas' delta "
@@ -576,36 +587,104 @@ class RemoteEngine:
             self.links.close()
 
 
+def gateway_http_app(a: AppArgs, app_name: str) -> tuple[Any, Any, ApiKeys]:
+    """The gateway's HTTP app over application `app_name`'s engines, with its backend and
+    keys: built in a Gateway replica, and in each of its HTTP front-end processes."""
+    from services.gateway.http_app import build_app as build_http_app
+
+    engine = serve.get_deployment_handle("Engine", app_name=app_name)
+    cluster = cluster_store(a.redis_url)
+    links = EngineLinks(cluster, _backend_key(a), app_name)
+    backend = RemoteEngine(engine, cluster, a.admin_apply_timeout_s, links)
+    keys = ApiKeys.from_env(a.api_keys_file)
+    if not keys.enabled and not a.allow_no_auth:
+        raise CoxswainError(
+            "no API keys are configured (api_keys_file or COXSWAIN_API_KEYS): refusing "
+            "to serve unauthenticated; set allow_no_auth: true for local development"
+        )
+    store = None
+    address = _patch_store_address()
+    if address:
+        from services.patch_store.client import PatchStoreClient
+
+        store = PatchStoreClient(address)
+    app = build_http_app(backend, keys, patch_store=store, max_body_bytes=a.max_body_bytes)
+    return app, backend, keys
+
+
 def _gateway_asgi(args: dict) -> Any:
     """The FastAPI app of one Gateway replica (built on the replica, where handles work)."""
 
     def build() -> Any:
-        from services.gateway.http_app import build_app as build_http_app
-
         a = AppArgs.model_validate(args)
         app_name = serve.get_replica_context().app_name
-        engine = serve.get_deployment_handle("Engine", app_name=app_name)
-        cluster = cluster_store(a.redis_url)
-        links = EngineLinks(cluster, _backend_key(a), app_name)
-        backend = RemoteEngine(engine, cluster, a.admin_apply_timeout_s, links)
-        keys = ApiKeys.from_env(a.api_keys_file)
-        if not keys.enabled and not a.allow_no_auth:
-            raise CoxswainError(
-                "no API keys are configured (api_keys_file or COXSWAIN_API_KEYS): refusing "
-                "to serve unauthenticated; set allow_no_auth: true for local development"
-            )
-        store = None
-        address = _patch_store_address()
-        if address:
-            from services.patch_store.client import PatchStoreClient
-
-            store = PatchStoreClient(address)
-        app = build_http_app(backend, keys, patch_store=store, max_body_bytes=a.max_body_bytes)
+        app, backend, keys = gateway_http_app(a, app_name)
         if a.grpc_port is not None:
             _start_grpc(backend, keys, a.grpc_port, a.bind_host)
+        if a.http_port is not None:
+            _start_http_frontend(args, app_name, a)
         return app
 
     return build
+
+
+# The HTTP front-end processes of this Gateway replica (kept referenced while it lives).
+_FRONTEND: list[subprocess.Popen] = []
+
+
+def _start_http_frontend(args: dict, app_name: str, a: AppArgs) -> None:
+    """Serve the HTTP app on `a.http_port` from `a.http_workers` processes of their own
+    (`services/gateway/cluster_frontend.py`), as `coxswain serve` does: one Gateway process
+    and Serve's proxy forward every token of every stream, and bound the cluster well below
+    what its engines generate. The processes share one listening socket (several Gateway
+    replicas of a node share the port), link to every engine replica, and exit with this
+    replica. Raises when they do not start (Serve then retries the replica)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((a.bind_host, a.http_port))
+    sock.listen(2048)
+    import ray
+
+    spec = json.dumps(
+        {
+            "args": args,
+            "app": app_name,
+            "fd": sock.fileno(),
+            "parent": os.getpid(),
+            "ray": ray.get_runtime_context().gcs_address,  # this cluster, not another's
+        }
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "services.gateway.cluster_frontend"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(sock.fileno(),),
+            text=True,
+        )
+        for _ in range(a.http_workers)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(spec)
+            proc.stdin.close()
+        for proc in procs:
+            line = proc.stdout.readline().strip()  # "ready", or nothing when it failed
+            if line != "ready":
+                proc.wait(timeout=10)
+                err = proc.stderr.read()[-2000:] if proc.stderr else ""
+                raise CoxswainError(f"the HTTP front end did not start: {line or err}")
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    finally:
+        sock.close()  # the workers hold their copies
+    _FRONTEND.extend(procs)
+    log.info("HTTP on %s:%d from %d front-end processes", a.bind_host, a.http_port, len(procs))
 
 
 def _start_grpc(backend: Any, keys: ApiKeys, port: int, host: str) -> None:

@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -23,6 +24,7 @@ import pytest
 import redis
 
 from services.cluster import local
+from services.cluster.local import ray_psutil
 from services.common.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,13 +47,9 @@ def _home_env(home: Path) -> dict[str, str]:
     return {**os.environ, "COXSWAIN_HOME": str(home)}
 
 
-def _psutil():
-    return local._psutil()
-
-
 def _processes_in(home: Path) -> list[str]:
     """Live processes working in `home` (redis-server runs in its cluster directory)."""
-    psutil = _psutil()
+    psutil = ray_psutil()
     found = []
     for p in psutil.process_iter(["cwd", "cmdline"]):
         cwd = p.info.get("cwd") or ""
@@ -240,6 +238,14 @@ def test_up_stops_its_redis_when_a_later_step_fails(tmp_path):
     assert not (home / "cluster" / "redis.conf").exists()
 
 
+def _frontend_processes() -> list:
+    found = []
+    for proc in ray_psutil().process_iter(["cmdline"]):
+        if "services.gateway.cluster_frontend" in " ".join(proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
 def test_up_status_down(tmp_path, other_ray_head):
     home = tmp_path / "home"
     env = _home_env(home)
@@ -277,6 +283,19 @@ def test_up_status_down(tmp_path, other_ray_head):
             if outside is not None:
                 assert not _accepts(outside, int(port)), (outside, port)
 
+        # HTTP comes from the Gateway's front-end processes, each linked to the engine.
+        frontends = _frontend_processes()
+        assert len(frontends) == 2
+        for proc in frontends:
+            listening = {c.laddr.port for c in proc.net_connections() if c.status == "LISTEN"}
+            assert int(ports[0]) in listening
+        headers = {"Authorization": f"Bearer {first_keys['admin']}"}
+        base = f"http://127.0.0.1:{ports[0]}"
+        assert httpx.get(base + "/health").json()["engine_links"] == 1
+        body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
+        done = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+
         s = _coxswain("status", "--json", env=env)
         assert s.returncode == 0, s.stdout + s.stderr
         report = json.loads(s.stdout)
@@ -291,6 +310,10 @@ def test_up_status_down(tmp_path, other_ray_head):
         assert local._ray_processes(other_ray_head) != []
         assert local._ray_processes(state) == []
         assert _processes_in(home) == []
+        deadline = time.monotonic() + 10  # they leave within a second of their replica
+        while _frontend_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _frontend_processes() == []
         assert not _accepts("127.0.0.1", int(ports[0]))
         s = _coxswain("status", env=env)
         assert s.returncode == 1 and "not running" in s.stdout
