@@ -206,3 +206,21 @@ def graph_decode(engine) -> dict:
             )
         },
     }
+
+
+def overlapped(engine) -> dict:
+    """Plain requests (greedy and seeded sampling, no logprobs): every step overlaps the
+    next, whose placeholders the first stage fills from tokens the last stage sent it."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True),
+    ]
+    for i, p in enumerate(params * 2):
+        engine.add_request(f"r{i}", ["the quick brown fox", "once upon a time"][i % 2], p)
+    overlapping, tokens = [], {}
+    while engine.has_unfinished_requests():
+        overlapping.append(engine._can_overlap())
+        for delta in engine.step():
+            for sample in delta.samples:
+                tokens.setdefault(delta.request_id, []).extend(sample.token_ids)
+    return {"tokens": tokens, "overlapped": all(overlapping), "steps": engine.num_steps}

@@ -364,11 +364,11 @@ class LLMEngine:
         """Run one engine step; return a delta for every request it advanced (what the step
         added: `OutputAccumulator` turns deltas into totals).
 
-        When nothing intervenes (and the replica is one pipeline stage), steps overlap as in
-        vLLM's async scheduling: the step launched here runs on the device while the host
-        accepts the tokens of the step the previous call launched (sampled tokens a step
-        still computes are placeholders the next step reads on the device). A call that
-        finds nothing to schedule drains the step in flight.
+        When nothing intervenes, steps overlap as in vLLM's async scheduling: the step
+        launched here runs on the device while the host accepts the tokens of the step the
+        previous call launched (sampled tokens a step still computes are placeholders the
+        next step reads on the device). A call that finds nothing to schedule drains the
+        step in flight.
         """
         if self.sync is None:
             self.interventions.apply_actions()  # issued during the previous step: apply now
@@ -406,17 +406,12 @@ class LLMEngine:
         return outputs + self._accept(sched, result, report)
 
     def _can_overlap(self) -> bool:
-        """Overlap needs a replica of one pipeline stage (every TP rank samples the same
-        tokens on its own device, so each fills its own placeholders; a later stage's tokens
-        would have to reach the first stage's device) where the next step's plan needs
-        nothing the step before reads back: steering, monitors, gates, read-outs, captures
-        and adapters may run, but not patches still ahead of a request or consumers. Every
-        rank of a replica decides alike: the inputs are replicated state."""
-        return (
-            self.config.async_scheduling
-            and self.runner.ctx.pp_size == 1
-            and self.interventions.reads_nothing_back()
-        )
+        """Overlap needs the next step's plan to need nothing the step before reads back:
+        steering, monitors, gates, read-outs, captures and adapters may run, but not patches
+        still ahead of a request or consumers. Placeholders are filled on the device: every
+        TP rank samples the same tokens itself, and the last pipeline stage sends its to the
+        first. Every rank of a replica decides alike: the inputs are replicated state."""
+        return self.config.async_scheduling and self.interventions.reads_nothing_back()
 
     def _drain(self) -> list[RequestDelta]:
         """Accept the tokens of the step in flight, if any."""

@@ -671,6 +671,11 @@ class ModelRunner:
         pending = PendingStep(n, sample_rows)
         graphed = bucket is not None
         if not self.ctx.is_last_stage:  # a pipeline stage before the last samples nothing
+            if sample_rows and self.ctx.is_first_stage:
+                # ... but embeds the next step's tokens: the last stage sends them on the
+                # device, so the next step may be launched before they reach any host.
+                ids = self.ctx.recv_from_last_stage(len(sample_rows), self.device)
+                self._prev_sampled = (ids, {reqs[i].seq_id: j for j, i in enumerate(sample_rows)})
             if interventions is not None:
                 self._read_back(pending, interventions, graphed, t, n, sample_rows)
             return pending
@@ -685,6 +690,8 @@ class ModelRunner:
             pending.sampled = sampled = sample(logits, meta)
             self._copy_back(pending, sampled)
             self._prev_sampled = (sampled.token_ids, {q.seq_id: j for j, q in enumerate(picked)})
+            if not self.ctx.is_first_stage:  # the first stage embeds them next step
+                self.ctx.send_to_first_stage(sampled.token_ids)
         for i, q in enumerate(reqs):
             if q.prompt_logprobs is None or hidden is None:
                 continue

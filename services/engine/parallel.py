@@ -68,6 +68,16 @@ class ParallelContext:
         dist.recv(h, src=self.rank - self.tp_size)
         return h
 
+    def send_to_first_stage(self, token_ids: torch.Tensor) -> None:
+        """Last stage: hand a step's sampled token ids `[N]` (int64) to the same TP rank of
+        the first stage, which embeds them in the next step."""
+        dist.send(token_ids.contiguous(), dst=self.tp_rank)
+
+    def recv_from_last_stage(self, n: int, device: torch.device) -> torch.Tensor:
+        ids = torch.empty(n, dtype=torch.int64, device=device)
+        dist.recv(ids, src=(self.pp_size - 1) * self.tp_size + self.tp_rank)
+        return ids
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the TP group (in place, or a new tensor: use the result)."""
         if self.tp_size == 1:

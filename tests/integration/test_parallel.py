@@ -105,3 +105,14 @@ def test_a_sweep_runs_as_patch_passes_on_a_parallel_replica(checkpoint, tp, pp):
     assert want["passes"] > 0 and got["passes"] == want["passes"]
     assert math.isclose(got["corrupt"], want["corrupt"], abs_tol=1e-4)
     np.testing.assert_allclose(got["grid"], want["grid"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_a_parallel_replica_overlaps_steps_like_one_process(checkpoint, tp, pp):
+    """Steps overlap on every split (the last pipeline stage sends its sampled tokens to the
+    first, which fills the next step's placeholders with them): the same tokens in as many
+    steps as one process."""
+    want = parallel_workload.overlapped(LLMEngine(checkpoint, CONFIG))
+    got = launch_local(str(checkpoint), tp, pp, parallel_workload.overlapped, engine_config=CONFIG)
+    assert want["overlapped"] and got["overlapped"]
+    assert got == want
