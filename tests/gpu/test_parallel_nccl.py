@@ -66,13 +66,12 @@ def test_parallel_decode_replays_graphs_like_one_gpu(checkpoint, tp, pp):
     adapter replay CUDA graphs on every rank (the all-reduces, the logits' all-gather and
     the stage hand-off inside them) and give one GPU's tokens, logprobs, read-outs and
     captures; they replay as many graphs of each kind as one GPU does. (Pipeline stages
-    neither overlap steps nor fill a capture buffer, so their one-GPU reference does
-    neither.)"""
+    fill no capture buffer, so their one-GPU reference does not either.)"""
     if torch.cuda.device_count() < tp * pp:
         pytest.skip(f"needs {tp * pp} CUDA devices")
     reference = GRAPH_CONFIG
     if pp > 1:
-        reference = dataclasses.replace(GRAPH_CONFIG, async_scheduling=False, graph_capture_rows=0)
+        reference = dataclasses.replace(GRAPH_CONFIG, graph_capture_rows=0)
     want = parallel_workload.graph_decode(LLMEngine(checkpoint, reference))
     got = launch_local(
         str(checkpoint),
