@@ -201,7 +201,10 @@ def bench_hf(model, prompts, steps, device) -> float:
     return len(prompts) * steps / max(1e-9, timed(steps + 1) - timed(1))
 
 
-def bench_coxswain(engine: LLMEngine, prompts, steps) -> float:
+def bench_coxswain(engine: LLMEngine, prompts, steps, profile: Path | None = None) -> float:
+    """Decode tok/s of `prompts` after every prefill; with `profile`, also a torch.profiler
+    table of 8 more steps (device kernels by total time, and the host's calls) written
+    there, e.g. a TP driver's all-reduce kernels waiting for the other rank."""
     params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
     rids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
@@ -217,15 +220,35 @@ def bench_coxswain(engine: LLMEngine, prompts, steps) -> float:
         engine.step()
     sync(engine.device)
     seconds = time.perf_counter() - t
+    if profile is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        activities = [ProfilerActivity.CPU]
+        if engine.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profiler(activities=activities) as prof:
+            for _ in range(8):
+                engine.step()
+            sync(engine.device)
+        sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        profile.write_text(f"8 decode steps at batch {len(prompts)}\n{table}")
     for rid in rids:
         engine.abort(rid)
     engine.step()  # drain the step still in flight
     return len(prompts) * steps / seconds
 
 
-def bench_replica(prompts: dict[int, list[list[int]]], steps: int, engine: LLMEngine) -> dict:
+def bench_replica(
+    prompts: dict[int, list[list[int]]], steps: int, profile: Path | None, engine: LLMEngine
+) -> dict:
     """`bench_coxswain` at each batch size, on the driver rank of a parallel replica."""
-    return {b: bench_coxswain(engine, p, steps) for b, p in prompts.items()}
+    return {
+        b: bench_coxswain(engine, p, steps, profile and profile / f"driver-batch{b}.txt")
+        for b, p in prompts.items()
+    }
 
 
 # -- main --------------------------------------------------------------------------------
@@ -249,6 +272,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2)",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="also write a torch.profiler table of 8 steps per batch size and system here "
+        "(a replica's: its driver rank's)",
+    )
     return p.parse_args(argv)
 
 
@@ -316,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = LLMEngine(args.model, engine_config)
         print(f"coxswain engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
         for b in batches:
-            results["coxswain"][b] = bench_coxswain(engine, prompts[b], args.steps)
+            profile = args.profile and args.profile / "one-process" / f"batch{b}.txt"
+            results["coxswain"][b] = bench_coxswain(engine, prompts[b], args.steps, profile)
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -335,7 +365,12 @@ def main(argv: list[str] | None = None) -> None:
             str(args.model),
             tp,
             pp,
-            functools.partial(bench_replica, {b: prompts[b] for b in batches}, args.steps),
+            functools.partial(
+                bench_replica,
+                {b: prompts[b] for b in batches},
+                args.steps,
+                args.profile and args.profile / name,
+            ),
             engine_config=engine_config,
             device_type=device.type,
         )
