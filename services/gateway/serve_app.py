@@ -632,6 +632,15 @@ def _gateway_asgi(args: dict) -> Any:
 _FRONTEND: list[subprocess.Popen] = []
 
 
+def check_http_frontend() -> None:
+    """Raise if a front-end process of this Gateway replica exited: Serve then replaces the
+    replica, and with it every front end (the others serve meanwhile). A module function,
+    so the replica's `Gateway` (pickled by value) reads this module's `_FRONTEND`."""
+    gone = [proc.pid for proc in _FRONTEND if proc.poll() is not None]
+    if gone:
+        raise ServiceUnavailableError(f"HTTP front-end processes {gone} exited")
+
+
 def _start_http_frontend(args: dict, app_name: str, a: AppArgs) -> None:
     """Serve the HTTP app on `a.http_port` from `a.http_workers` processes of their own
     (`services/gateway/cluster_frontend.py`), as `coxswain serve` does: one Gateway process
@@ -815,6 +824,10 @@ def build_app(args: dict) -> Any:
     class Gateway:
         def __init__(self, engine_handle: Any):
             self.engine = engine_handle  # binds Engine into this application
+
+        def check_health(self) -> None:
+            """Serve calls this periodically (see `check_http_frontend`)."""
+            check_http_frontend()
 
     gateway = serve.deployment(name="Gateway", max_ongoing_requests=gateway_ongoing)(
         serve.ingress(_gateway_asgi(plain))(Gateway)

@@ -296,6 +296,21 @@ def test_up_status_down(tmp_path, other_ray_head):
         done = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
 
+        # A front end that dies: the other serves on; Serve replaces the Gateway replica,
+        # whose new front ends take the port again.
+        frontends[0].kill()
+        done = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert done.status_code == 200
+        old = {proc.pid for proc in frontends}
+        deadline = time.monotonic() + 120
+        while not (len(fresh := _frontend_processes()) == 2 and not {p.pid for p in fresh} & old):
+            assert time.monotonic() < deadline, "the front ends were not replaced"
+            time.sleep(1)
+        deadline = time.monotonic() + 60
+        while httpx.get(base + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+
         s = _coxswain("status", "--json", env=env)
         assert s.returncode == 0, s.stdout + s.stderr
         report = json.loads(s.stdout)
