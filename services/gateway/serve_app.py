@@ -672,6 +672,9 @@ def _start_http_frontend(args: dict, app_name: str, a: AppArgs) -> None:
             stderr=subprocess.PIPE,
             pass_fds=(sock.fileno(),),
             text=True,
+            # what this replica imports from (a runtime_env's working_dir, a checkout on
+            # PYTHONPATH), the child imports from too
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
         )
         for _ in range(a.http_workers)
     ]
