@@ -40,9 +40,10 @@ def _report(state: ClusterState, replica: str, app: str, backend: list, ttl_s: f
     state.report(replica, {"app": app, "backend": backend, "version": 0}, ttl_s)
 
 
-async def _tokens(link, prompt: str) -> list[int]:
+async def _tokens(source, prompt: str) -> list[int]:
+    """Greedy tokens of `prompt` from a link or an EngineService (the same interface)."""
     out = []
-    async for delta in link.generate(prompt, GREEDY):
+    async for delta in source.generate(prompt, GREEDY):
         for sample in delta.samples:
             out.extend(sample.token_ids)
     return out
@@ -58,18 +59,10 @@ def test_links_to_its_applications_replicas_only_and_generates_through_them(repl
     try:
         assert len(links) == 1  # not b (another app), not c (refused the challenge)
         got = asyncio.run(_tokens(links.pick(), "the quick brown fox"))
-        direct = asyncio.run(_direct(services[1], "the quick brown fox"))  # the same weights
+        direct = asyncio.run(_tokens(services[1], "the quick brown fox"))  # the same weights
         assert got == direct and len(got) == 6
     finally:
         links.close()
-
-
-async def _direct(service: EngineService, prompt: str) -> list[int]:
-    out = []
-    async for delta in service.generate(prompt, GREEDY):
-        for sample in delta.samples:
-            out.extend(sample.token_ids)
-    return out
 
 
 def test_picks_the_least_loaded_replica_and_drops_one_whose_report_expired(replicas):

@@ -370,11 +370,11 @@ def _write_layer_shards(
     if workers > 1:
         ctx = torch.multiprocessing.get_context("spawn")
         with ctx.Pool(min(workers, count)) as pool:
-            maps = pool.starmap(_write_one_shard, jobs)
+            shards = pool.starmap(_write_one_shard, jobs)
     else:
-        maps = [_write_one_shard(*job) for job in jobs]
-    weight_map = {name: f for m in maps for name, f in m.items()}
-    total = sum(f.stat().st_size for f in out.glob("model-*-of-*.safetensors"))
+        shards = [_write_one_shard(*job) for job in jobs]
+    weight_map = {name: f for names, _ in shards for name, f in names.items()}
+    total = sum(nbytes for _, nbytes in shards)  # of the tensors, as in any HF index
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(out / "model.safetensors.index.json", index)
 
@@ -388,7 +388,8 @@ def _write_one_shard(
     k: int,
     count: int,
     layers_per_shard: int,
-) -> dict[str, str]:
+) -> tuple[dict[str, str], int]:
+    """Draw and write shard `k` of `count`: its tensors' file names, and their bytes."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
     ids = range(k * layers_per_shard, min((k + 1) * layers_per_shard, shape["layers"]))
@@ -398,7 +399,8 @@ def _write_one_shard(
     }
     filename = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
     save_file(tensors, out / filename, metadata={"format": "pt"})
-    return dict.fromkeys(tensors, filename)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return dict.fromkeys(tensors, filename), nbytes
 
 
 def _write_weights(out: pathlib.Path, weights: dict[str, torch.Tensor], shards: int) -> None:

@@ -210,6 +210,8 @@ def test_a_checkpoint_written_straight_into_layer_shards(transformers, tmp_path)
     for f in files:
         a, b = load_file(one / f), load_file(two / f)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tensors = [t for f in files for t in load_file(one / f).values()]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors)
 
     ids = _prompts(batch=1, length=12)
     with torch.no_grad():
