@@ -63,11 +63,11 @@ class EngineRank:
         model_id: str,
         patch_store_address: str | None = None,
         redis_url: str | None = None,
-        backend: tuple[tuple[str, str], bytes] | None = None,
+        backend: tuple[str, bytes] | None = None,
     ) -> Any:
         """Join the replica and build this rank's engine (blocks until every rank joined).
-        `backend`: ((bind host, advertised host), key) of a delta server the driver starts
-        for the gateway (`process_backend.BackendServer`); the driver returns its address."""
+        `backend`: (bind host, key) of a delta server the driver starts for the gateway
+        (`process_backend.BackendServer`, `tcp_hosts`); the driver returns its address."""
         from services.engine.async_llm import AsyncLLM
         from services.engine.config import EngineConfig
         from services.engine.distributed import init_replica, run_worker
@@ -94,14 +94,10 @@ class EngineRank:
                 replica_id = ray.get_runtime_context().get_actor_id()
                 self.link = EngineLink(self.service.llm, redis_url, replica_id)
             if backend is not None:
-                from services.gateway.process_backend import BackendServer
+                from services.gateway.process_backend import BackendServer, tcp_hosts
 
-                hosts, key = backend
-                if hosts[1] != hosts[0] and hosts[0] == "0.0.0.0":  # this rank's node
-                    import ray
-
-                    hosts = (hosts[0], ray.util.get_node_ip_address())
-                self.backend = BackendServer(self.service, hosts, key)
+                bind_host, key = backend
+                self.backend = BackendServer(self.service, tcp_hosts(bind_host), key)
                 return self.backend.start()
         else:
             self._worker = threading.Thread(target=run_worker, args=(engine,), daemon=True)
@@ -147,10 +143,10 @@ class EngineReplica:
         redis_url: str | None = None,
         num_gpus_per_rank: float = 0,
         num_cpus_per_rank: float = 0,
-        backend: tuple[tuple[str, str], bytes] | None = None,
+        backend: tuple[str, bytes] | None = None,
     ):
-        """`backend`: ((bind, advertised) host, key) of the delta server the driver rank
-        starts for the gateway; its address is then `self.backend`."""
+        """`backend`: (bind host, key) of the delta server the driver rank starts for the
+        gateway; its address is then `self.backend`."""
         import ray
 
         world = tp_size * pp_size

@@ -28,12 +28,6 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
-def _report_ready(server) -> None:
-    while not server.started:
-        time.sleep(0.01)
-    print("ready", flush=True)
-
-
 def main() -> None:
     spec = json.loads(sys.stdin.read())
     threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
@@ -42,6 +36,7 @@ def main() -> None:
     import ray
     import uvicorn
 
+    from services.gateway.process_backend import report_started
     from services.gateway.serve_app import AppArgs, gateway_http_app
 
     ray.init(
@@ -49,7 +44,7 @@ def main() -> None:
     )
     app, _, _ = gateway_http_app(AppArgs.model_validate(spec["args"]), spec["app"])
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    threading.Thread(target=_report_ready, args=(server,), daemon=True).start()
+    report_started(server, lambda: print("ready", flush=True))
     server.run(sockets=[sock])
 
 

@@ -32,7 +32,7 @@ class EngineLinks:
     def __init__(self, store: Any, key: bytes, app: str, refresh_s: float = 1.0):
         self.store, self.key, self.app, self.refresh_s = store, key, app, refresh_s
         self._links: dict[str, ProcessBackend] = {}  # replica id -> its link
-        self._addresses: dict[str, tuple[str, int]] = {}
+        self._seen: set[str] = set()  # replicas linked, or whose link failed or broke
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.refresh()
@@ -60,9 +60,9 @@ class EngineLinks:
             for replica in gone:
                 self._links.pop(replica).close()
         for replica, address in live.items():
-            if replica in self._addresses:  # linked, or its link broke: not again
+            if replica in self._seen:  # linked, or its link broke: not again
                 continue
-            self._addresses[replica] = address
+            self._seen.add(replica)
             try:
                 link = ProcessBackend(BackendAddress(address, self.key), None)
             except (ServiceUnavailableError, AuthenticationError, OSError, EOFError) as exc:
@@ -70,9 +70,7 @@ class EngineLinks:
                 continue
             with self._lock:
                 self._links[replica] = link
-        for replica in list(self._addresses):
-            if replica not in live:
-                del self._addresses[replica]
+        self._seen &= live.keys()
 
     def pick(self) -> ProcessBackend | None:
         """The live link with the fewest running generations (None: no replica linked)."""

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import AuthenticationError, Client, Connection, Listener
@@ -108,11 +108,14 @@ class BackendServer:
         socket, for front ends on other machines (a cluster's gateway); `authkey`: the key
         they hold (default: a fresh one)."""
         self.service = service
-        self._dir = tempfile.TemporaryDirectory(prefix="coxswain-backend-")  # mode 0700
         authkey = authkey or secrets.token_bytes(32)
         self._tcp = tcp
-        path = str(Path(self._dir.name) / "engine.sock")
-        self.address = BackendAddress((tcp[0], 0) if tcp else path, authkey)
+        self._dir = None  # the Unix socket's directory, mode 0700
+        if tcp:
+            self.address = BackendAddress((tcp[0], 0), authkey)
+        else:
+            self._dir = tempfile.TemporaryDirectory(prefix="coxswain-backend-")
+            self.address = BackendAddress(str(Path(self._dir.name) / "engine.sock"), authkey)
         self._listener: Listener | None = None
         self._loop = asyncio.new_event_loop()
         self._closed = False
@@ -149,7 +152,8 @@ class BackendServer:
         if self._listener is not None:
             self._listener.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
 
 
 class _ServerLink:
@@ -507,10 +511,7 @@ def http_frontend(
     about 10k tokens/s). `port` 0 picks a free one."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    sock = listening_socket(host, port)
     ctx = multiprocessing.get_context("spawn")
     procs, pipes = [], []
     try:
@@ -553,11 +554,39 @@ def _frontend_main(
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    threading.Thread(target=_report_started, args=(server, ready), daemon=True).start()
+    report_started(server, lambda: ready.send(("ready", None)))
     server.run(sockets=[sock])
 
 
-def _report_started(server: Any, ready: Connection) -> None:
-    while not server.started:
-        time.sleep(0.01)
-    ready.send(("ready", None))
+def listening_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket listening on (host, port) for HTTP worker processes to share; with
+    `reuse_port`, other processes of this host may listen on the same port too."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def report_started(server: Any, notify: Callable[[], None]) -> None:
+    """Call `notify()` from a daemon thread once the uvicorn `server` serves."""
+
+    def wait() -> None:
+        while not server.started:
+            time.sleep(0.01)
+        notify()
+
+    threading.Thread(target=wait, name="report-started", daemon=True).start()
+
+
+def tcp_hosts(bind_host: str) -> tuple[str, str]:
+    """(bind, advertised) host of a `BackendServer` serving other machines' front ends: the
+    given interface when it is loopback (a local cluster), else every interface, reached at
+    this node's address (as Ray sees it)."""
+    if bind_host in ("127.0.0.1", "localhost", "::1"):
+        return bind_host, bind_host
+    import ray
+
+    return "0.0.0.0", ray.util.get_node_ip_address()

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ from services.common.errors import (
 )
 from services.gateway.engine_links import EngineLinks
 from services.gateway.http_auth import DEFAULT_MAX_BODY_BYTES
-from services.gateway.process_backend import ProcessBackend
+from services.gateway.process_backend import ProcessBackend, listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +238,7 @@ class EngineDeployment:
                 patch_store_address=store_address,
                 redis_url=a.redis_url,
                 num_gpus_per_rank=a.num_gpus_per_rank,
-                backend=(_backend_hosts(a), _backend_key(a)),
+                backend=(a.bind_host, _backend_key(a)),
             )
         # Generations take a direct link from the gateway to the engine's process, one
         # message per engine step however many streams it advanced; the replica's report
@@ -248,9 +247,10 @@ class EngineDeployment:
         if self.replica is not None:
             self.backend = self.replica.backend
         else:
-            from services.gateway.process_backend import BackendServer
+            from services.gateway.process_backend import BackendServer, tcp_hosts
 
-            self.backend = BackendServer(self.service, _backend_hosts(a), _backend_key(a)).start()
+            hosts = tcp_hosts(a.bind_host)
+            self.backend = BackendServer(self.service, hosts, _backend_key(a)).start()
         self.reconciler = Reconciler(
             cluster_store(a.redis_url),
             self._apply,
@@ -330,16 +330,6 @@ class EngineDeployment:
             self.replica.check()
         elif not self.service.llm._thread.is_alive():
             raise ServiceUnavailableError("the engine thread stopped")
-
-
-def _backend_hosts(a: AppArgs) -> tuple[str, str]:
-    """(bind, advertised) host of an engine replica's delta server: the gateway's interface
-    for a loopback cluster, else every interface, reached at this node's address."""
-    import ray
-
-    if a.bind_host in ("127.0.0.1", "localhost", "::1"):
-        return a.bind_host, a.bind_host
-    return "0.0.0.0", ray.util.get_node_ip_address()
 
 
 def _backend_key(a: AppArgs) -> bytes:
@@ -648,11 +638,7 @@ def _start_http_frontend(args: dict, app_name: str, a: AppArgs) -> None:
     what its engines generate. The processes share one listening socket (several Gateway
     replicas of a node share the port), link to every engine replica, and exit with this
     replica. Raises when they do not start (Serve then retries the replica)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((a.bind_host, a.http_port))
-    sock.listen(2048)
+    sock = listening_socket(a.bind_host, a.http_port, reuse_port=True)
     import ray
 
     spec = json.dumps(
