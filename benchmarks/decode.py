@@ -204,7 +204,8 @@ def bench_hf(model, prompts, steps, device) -> float:
 def bench_coxswain(engine: LLMEngine, prompts, steps, profile: Path | None = None) -> float:
     """Decode tok/s of `prompts` after every prefill; with `profile`, also a torch.profiler
     table of 8 more steps (device kernels by total time, and the host's calls) written
-    there, e.g. a TP driver's all-reduce kernels waiting for the other rank."""
+    there, e.g. a TP driver's all-reduce kernels waiting for the other rank, and beside it
+    their Chrome trace (`*.trace.json`: gaps between graph replays are host time)."""
     params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
     rids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
@@ -235,6 +236,7 @@ def bench_coxswain(engine: LLMEngine, prompts, steps, profile: Path | None = Non
         profile.parent.mkdir(parents=True, exist_ok=True)
         table = prof.key_averages().table(sort_by=sort, row_limit=40)
         profile.write_text(f"8 decode steps at batch {len(prompts)}\n{table}")
+        prof.export_chrome_trace(str(profile.with_suffix(".trace.json")))
     for rid in rids:
         engine.abort(rid)
     engine.step()  # drain the step still in flight
