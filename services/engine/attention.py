@@ -17,7 +17,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels.decode_attention import decode_attention, prefill_attention
+from services.engine.kernels.decode_attention import (
+    decode_attention,
+    prefill_attention,
+    prefill_splits_for,
+)
 
 
 @dataclass
@@ -186,6 +190,44 @@ class SdpaBackend(AttentionBackend):
         return out
 
 
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device's queue."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _rows(indices: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A run of consecutive indices as a slice (a view, no copy), any others as a tensor."""
+    if indices and indices == list(range(indices[0], indices[-1] + 1)):
+        return slice(indices[0], indices[-1] + 1)
+    return _to_device(indices, torch.int64, device)
+
+
+@dataclass
+class _MixedStep:
+    """A step with prefill chunks, cut in two: requests computing one token (decodes, or a
+    chunk's last token) go to the split-K decode kernel, the chunks to the prefill kernel,
+    so a decode at a long context costs what it costs in a decode step. Each part is a
+    slice of the step's tokens where its requests sit together, else an index."""
+
+    slot_mapping: torch.Tensor
+    decode_tokens: slice | torch.Tensor | None  # None: no decode in this step
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    chunk_tokens: slice | torch.Tensor
+    chunk_block_tables: torch.Tensor
+    chunk_query_start_loc: torch.Tensor
+    chunk_seq_lens: torch.Tensor
+    chunk_max_query_len: int
+    chunk_q_lens: list[int]
+    chunk_context_lens: list[int]
+    # Key splits of the prefill launch, sized by the first layer's heads (`prefill_splits_for`).
+    chunk_splits: int | None = None
+
+
+def _take(x: torch.Tensor, idx: slice | torch.Tensor) -> torch.Tensor:
+    return x[idx] if isinstance(idx, slice) else x.index_select(0, idx)
+
+
 class TritonBackend(AttentionBackend):
     """Triton kernels over the paged cache in place (`kernels/decode_attention.py`).
 
@@ -194,32 +236,86 @@ class TritonBackend(AttentionBackend):
     A decode step (one query per request) runs the split-K decode kernel, which reads only
     device tensors, so the step can be captured in a CUDA graph. Padding rows of a graph
     batch have `seq_len == 0` (output zeros) and write their K/V to a scratch slot the
-    block manager never hands out. Any other step runs the varlen prefill kernel: each
-    chunk attends its cached context plus itself.
+    block manager never hands out. A step with prefill chunks (`_MixedStep`) sends its
+    one-token requests to the decode kernel and its chunks to the varlen prefill kernel,
+    where each chunk attends its cached context plus itself, its keys split when its tiles
+    alone cannot fill the GPU.
     """
 
     supports_graphs = True
 
-    def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs:
-        return inputs
+    def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs | _MixedStep:
+        if inputs.is_decode:
+            return inputs
+        qsl, seq_lens = inputs.query_start_loc_host, inputs.seq_lens_host
+        q_lens = [b - a for a, b in itertools.pairwise(qsl)]
+        device = inputs.query_start_loc.device
+        decodes = [r for r, n in enumerate(q_lens) if n == 1]
+        chunks = [r for r, n in enumerate(q_lens) if n > 1]
+        dec_rows, chunk_rows = _rows(decodes, device), _rows(chunks, device)
+        if isinstance(chunk_rows, slice):  # the step's own offsets, shifted: no copy
+            bounds = slice(chunk_rows.start, chunk_rows.stop + 1)
+            chunk_qsl = inputs.query_start_loc[bounds] - qsl[chunk_rows.start]
+        else:
+            offsets = [0, *itertools.accumulate(q_lens[r] for r in chunks)]
+            chunk_qsl = _to_device(offsets, torch.int32, device)
+        return _MixedStep(
+            slot_mapping=inputs.slot_mapping,
+            decode_tokens=_rows([qsl[r] for r in decodes], device) if decodes else None,
+            decode_block_tables=_take(inputs.block_tables, dec_rows) if decodes else None,
+            decode_seq_lens=_take(inputs.seq_lens, dec_rows) if decodes else None,
+            chunk_tokens=(
+                slice(qsl[chunk_rows.start], qsl[chunk_rows.stop])
+                if isinstance(chunk_rows, slice)
+                else _rows([t for r in chunks for t in range(qsl[r], qsl[r + 1])], device)
+            ),
+            chunk_block_tables=_take(inputs.block_tables, chunk_rows),
+            chunk_query_start_loc=chunk_qsl,
+            chunk_seq_lens=_take(inputs.seq_lens, chunk_rows),
+            chunk_max_query_len=max(q_lens[r] for r in chunks),
+            chunk_q_lens=[q_lens[r] for r in chunks],
+            chunk_context_lens=[seq_lens[r] for r in chunks],
+        )
 
-    def forward(self, q, k, v, kv_cache, meta: StepAttentionInputs, scale, sliding_window):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
         k_cache, v_cache = kv_cache
         hkv, d = k_cache.shape[-2:]
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        if meta.is_decode:
+        if isinstance(meta, StepAttentionInputs):  # a decode step
             return decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
             )
+        out = torch.empty_like(q)
+        for tokens, attend in (
+            (meta.decode_tokens, self._decode_part),
+            (meta.chunk_tokens, self._chunk_part),
+        ):
+            if tokens is None:
+                continue
+            part_q = _take(q, tokens)
+            if isinstance(tokens, slice):  # the kernel writes straight into its rows
+                attend(part_q, k_cache, v_cache, meta, scale, sliding_window, out[tokens])
+            else:
+                got = attend(part_q, k_cache, v_cache, meta, scale, sliding_window, None)
+                out.index_copy_(0, tokens, got)
+        return out
+
+    @staticmethod
+    def _decode_part(q, k_cache, v_cache, meta: _MixedStep, scale, window, out):
+        return decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            window, out=out,
+        )  # fmt: skip
+
+    @staticmethod
+    def _chunk_part(q, k_cache, v_cache, meta: _MixedStep, scale, window, out):
+        if meta.chunk_splits is None:
+            meta.chunk_splits = prefill_splits_for(
+                meta.chunk_q_lens, meta.chunk_context_lens, q.shape[1], q.device
+            )
         return prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.max_query_len,
-            scale,
-            sliding_window,
-        )
+            q, k_cache, v_cache, meta.chunk_block_tables, meta.chunk_query_start_loc,
+            meta.chunk_seq_lens, meta.chunk_max_query_len, scale, window,
+            num_splits=meta.chunk_splits, out=out,
+        )  # fmt: skip

@@ -111,3 +111,32 @@ def test_prefill_kernel_matches_reference(dtype, hq, hkv, d, lens, q_lens, windo
     got = prefill_attention_triton(*args, max(q_lens), d**-0.5, window)
     want = prefill_attention_reference(*args, d**-0.5, window)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_prefill_kernel_splitting_long_keys_matches_reference(dtype, splits):
+    """A short chunk over a 16k cached prefix (the case key splits are for) beside a fresh
+    chunk, at every split count."""
+    lens, q_lens = (16384, 700), (64, 700)
+    q, kc, vc, tables, qsl, lens_t = prefill_case(32, 8, 128, 16, lens, q_lens, seed=splits)
+    args = [t.cuda() for t in (q.to(dtype), kc.to(dtype), vc.to(dtype), tables, qsl, lens_t)]
+    got = prefill_attention_triton(*args, max(q_lens), 128**-0.5, None, splits)
+    want = prefill_attention_reference(*args, 128**-0.5, None)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mixed_step_at_long_context_matches_the_sdpa_backend(dtype):
+    """Four decodes at 16k context (two before a chunk, two after) and a 4,096-token chunk
+    over a 12k prefix in one step: the Triton backend's split gives what SDPA gives."""
+    from services.engine.attention import SdpaBackend, TritonBackend
+    from tests.unit.engine.kernels.test_fused_kernels import mixed_step
+
+    q_lens, lens = (1, 1, 4096, 1, 1), (16384, 16000, 16384, 9000, 16384)
+    inputs, (q, k, v), cache = mixed_step(q_lens, lens, 16, 8, 128, 16, device="cuda", dtype=dtype)
+    sdpa_cache = [c.clone() for c in cache]
+    got = TritonBackend().forward(q, k, v, cache, TritonBackend().prepare(inputs), 0.08, None)
+    sdpa = SdpaBackend()
+    want = sdpa.forward(q, k, v, sdpa_cache, sdpa.prepare(inputs), 0.08, None)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])

@@ -10,9 +10,12 @@ decides its own split size), so the launch depends only on shapes and a CUDA gra
 capture it. Rows with length 0 (graph padding) give zeros.
 
 Prefill (eager, host metadata at hand): one program per request × tile of 64 queries ×
-query head; a chunk attends its cached context plus itself causally, all read from the
-cache after the chunk's own K/V were written, skipping key tiles past its last query or
-before its window.
+query head × split of the keys; a chunk attends its cached context plus itself causally,
+all read from the cache after the chunk's own K/V were written, skipping key tiles past its
+last query or before its window. A tile past its request's chunk does nothing (a short
+chunk beside a long one costs its own tiles only). Where a step's tiles are too few to fill
+the GPU (a short chunk over a long cached prefix), the keys are split as in decode and the
+same merge kernel combines the splits.
 """
 
 from __future__ import annotations
@@ -249,14 +252,17 @@ def decode_attention_triton(
     return out
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
+def decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None
+):
     """Triton on CUDA (and under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is None or not (q.is_cuda or INTERPRET):
-        return decode_attention_reference(
+        got = decode_attention_reference(
             q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window
         )
+        return got if out is None else out.copy_(got)
     return decode_attention_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out=out
     )
 
 
@@ -304,11 +310,14 @@ if triton is not None:
         k_ptr,  # [N * bs, Hkv, D]
         v_ptr,
         out_ptr,  # [T, Hq, D]
+        part_out_ptr,  # [T, Hq, S, D] float32 (SPLIT only)
+        part_lse_ptr,  # [T, Hq, S] float32 (SPLIT only)
         tables_ptr,
         qsl_ptr,
         lens_ptr,
         scale,
         window,  # 0: none
+        num_splits,
         stride_qt,
         stride_qh,
         stride_kslot,
@@ -324,11 +333,13 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK: tl.constexpr,
         PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr,  # write each split's partial output and lse for the merge
     ):
-        # One program per (request, tile of BLOCK_M queries, query head).
+        # One program per (request, tile of BLOCK_M queries, query head × key split).
         r = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
-        h = tl.program_id(2)
+        h = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
         kvh = h // GROUP
         q0 = tl.load(qsl_ptr + r)
         q_len = tl.load(qsl_ptr + r + 1) - q0
@@ -347,6 +358,10 @@ if triton is not None:
         hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
         lo = tl.where(window > 0, tl.maximum(ctx + tile * BLOCK_M - window + 1, 0), 0)
         lo = (lo // BLOCK) * BLOCK
+        hi = tl.where(tile * BLOCK_M < q_len, hi, lo)  # a tile past this chunk: no keys
+        per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK), num_splits) * BLOCK
+        lo = lo + split * per_split
+        hi = tl.minimum(hi, lo + per_split)
         mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -379,49 +394,80 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             mx = m_new
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(
-            out_ptr + (q0 + m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + dd[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=m_ok[:, None],
-        )
+        if SPLIT:
+            # A split with no visible key leaves lse = -inf: the merge ignores it.
+            lse = tl.where(l > 0, mx + tl.log(l), float("-inf"))
+            base = ((q0 + m).to(tl.int64) * tl.num_programs(2) + h * num_splits) + split
+            tl.store(part_lse_ptr + base, lse, mask=m_ok)
+            tl.store(part_out_ptr + base[:, None] * D + dd[None, :], o, mask=m_ok[:, None])
+        else:
+            tl.store(
+                out_ptr + (q0 + m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + dd[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=m_ok[:, None],
+            )
 
 
 PREFILL_BLOCK_M = 64
+MIN_KEYS_PER_SPLIT = 4 * BLOCK_N  # a split shorter than this costs more to merge than it saves
+
+
+def prefill_splits_for(
+    q_lens: list[int], seq_lens: list[int], heads: int, device: torch.device
+) -> int:
+    """Key splits for a prefill launch: 1 where its query tiles fill about two programs per
+    SM, else enough to (a short chunk over a long cached prefix walks its keys in parallel),
+    never so many that a split gets fewer than `MIN_KEYS_PER_SPLIT` keys."""
+    sms = _num_sms(device) if device.type == "cuda" else 8
+    tiles = heads * sum(-(-n // PREFILL_BLOCK_M) for n in q_lens)
+    want = -(-2 * sms // max(1, tiles))
+    return max(1, min(want, MAX_SPLITS, max(seq_lens, default=0) // MIN_KEYS_PER_SPLIT))
 
 
 def prefill_attention_triton(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
-    sliding_window=None,
+    sliding_window=None, num_splits=1, out=None,
 ):  # fmt: skip
-    _, hq, d = q.shape
+    t, hq, d = q.shape
     n_blocks, page, hkv, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    if num_splits > 1:
+        part_out = torch.empty(t, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(t, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # never written
     k_flat = k_cache.view(n_blocks * page, hkv, d)
     v_flat = v_cache.view(n_blocks * page, hkv, d)
     r = seq_lens.shape[0]
-    grid = (r, triton.cdiv(max_query_len, PREFILL_BLOCK_M), hq)
+    grid = (r, triton.cdiv(max_query_len, PREFILL_BLOCK_M), hq * num_splits)
     _prefill_kernel[grid](
-        q, k_flat, v_flat, out, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window or 0,
+        q, k_flat, v_flat, out, part_out, part_lse, block_tables, query_start_loc, seq_lens,
+        scale, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0),
         v_flat.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=hq // hkv, D=d, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=num_splits > 1,
         num_warps=4,
     )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(t, hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            D=d, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip
     return out
 
 
 def prefill_attention(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
-    sliding_window=None,
+    sliding_window=None, num_splits=1, out=None,
 ):  # fmt: skip
     """Triton on CUDA (and under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is None or not (q.is_cuda or INTERPRET):
-        return prefill_attention_reference(
+        got = prefill_attention_reference(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
         )
+        return got if out is None else out.copy_(got)
     return prefill_attention_triton(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
-        sliding_window,
+        sliding_window, num_splits, out,
     )  # fmt: skip

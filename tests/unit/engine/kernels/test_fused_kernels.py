@@ -147,6 +147,81 @@ def test_interpreted_prefill_kernel_matches_reference(hq, hkv, d, page, window):
 
 
 @interpreted_only
+@pytest.mark.parametrize("splits", [2, 5])
+def test_interpreted_prefill_kernel_splitting_the_keys_matches_reference(splits):
+    """A short chunk over a long cached prefix, beside a long chunk and a one-token chunk: the
+    keys walked in `splits` parts and merged give the unsplit answer."""
+    q, kc, vc, tables, qsl, lens = prefill_case(lens=(300, 290, 140), q_lens=(3, 130, 1), seed=3)
+    want = prefill_attention_reference(q, kc, vc, tables, qsl, lens, 0.1, None)
+    got = prefill_attention_triton(q, kc, vc, tables, qsl, lens, 130, 0.1, None, splits)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    got = prefill_attention_triton(q, kc, vc, tables, qsl, lens, 130, 0.1, 40, splits)
+    want = prefill_attention_reference(q, kc, vc, tables, qsl, lens, 0.1, 40)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def mixed_step(q_lens, lens, hq=4, hkv=2, d=64, page=4, seed=0, device="cpu", dtype=None):
+    """A step's attention inputs over a scrambled paged cache: request r computes its last
+    q_lens[r] positions of lens[r], and its new K/V go to those positions' slots. Returns
+    the inputs, [q, k, v] and [k_cache, v_cache] on `device`, in `dtype` (float32)."""
+    from services.engine.attention import StepAttentionInputs
+
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // page)
+    blocks = len(lens) * width + 1
+    tables = torch.randperm(blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    qsl = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    slots = [
+        int(tables[r, p // page]) * page + p % page
+        for r, (n, ql) in enumerate(zip(lens, q_lens, strict=True))
+        for p in range(n - ql, n)
+    ]
+    inputs = StepAttentionInputs(
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables.int().to(device),
+        block_size=page,
+        query_start_loc_host=qsl,
+        seq_lens_host=list(lens),
+        max_query_len=max(q_lens),
+    )
+    t = qsl[-1]
+    qkv = [torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv)]
+    cache = [torch.randn(blocks, page, hkv, d, generator=g) for _ in range(2)]
+    like = dict(device=device, dtype=dtype or torch.float32)
+    return inputs, [x.to(**like) for x in qkv], [c.to(**like) for c in cache]
+
+
+@interpreted_only
+@pytest.mark.parametrize(
+    "q_lens,lens",
+    [
+        ((1, 1, 9, 1), (300, 41, 9, 77)),  # decodes before and after a chunk: an index
+        ((1, 1, 70, 5), (300, 41, 70, 260)),  # decodes first, then chunks: slices
+        ((6, 1), (200, 250)),  # a chunk over a cached prefix, then a decode
+    ],
+)
+def test_interpreted_mixed_step_matches_the_sdpa_backend(q_lens, lens):
+    """A step mixing decodes and prefill chunks: the Triton backend sends each one-token
+    request to the decode kernel and the chunks to the prefill kernel, and gives what SDPA
+    over the gathered keys gives, writing the same K/V."""
+    from services.engine.attention import SdpaBackend, TritonBackend
+
+    inputs, (q, k, v), cache = mixed_step(q_lens, lens)
+    triton_cache = [c.clone() for c in cache]
+    backend = TritonBackend()
+    meta = backend.prepare(inputs)
+    got = backend.forward(q, k, v, triton_cache, meta, 0.1, None)
+    want = SdpaBackend().forward(q, k, v, cache, SdpaBackend().prepare(inputs), 0.1, None)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(triton_cache, cache, strict=True))
+    decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
+    decode_tokens = torch.arange(sum(q_lens))[meta.decode_tokens].tolist()
+    assert decode_tokens == [inputs.query_start_loc_host[r] for r in decode_rows]
+
+
+@interpreted_only
 def test_interpreted_norm_and_rotary_kernels_match_reference():
     g = torch.Generator().manual_seed(1)
     x, r = torch.randn(5, 48, generator=g), torch.randn(5, 48, generator=g)
