@@ -48,6 +48,8 @@ from services.engine.model_runner import PendingStep
 ALL_SITES = {site: "all" for site in ("pre_attn", "post_attn", "post_block")}
 CAPTURE = {"sites": ALL_SITES, "positions": "last_prompt"}
 CAPTURE_DECODE = {"sites": ALL_SITES, "positions": "all_generated"}
+# What probe-training jobs ask for: the block output of every layer at every generated token.
+CAPTURE_POST_BLOCK = {"sites": {"post_block": "all"}, "positions": "all_generated"}
 
 
 @dataclass
@@ -158,6 +160,8 @@ def read_back_configs(
     - "readouts x4": each request reads 4 probes, spread over the layers, on every token;
     - "capture x3 sites": each request captures every generated token at all 3 sites of
       every layer;
+    - "capture post_block" / "... bf16": every generated token's post_block residual of
+      every layer, returned in float32 (the default) / bfloat16;
     - "adapters xN": request i runs under δ-adapter i % N (`load_adapters`; none for 0)."""
     H = vectors.shape[1]
     probes = steering_vectors(5, H, 777)  # unit vectors
@@ -185,6 +189,12 @@ def read_back_configs(
         "monitor+gate": (gated, monitors, cleared),
         f"readouts x{len(reads)}": ([greedy(n, readouts=reads)], [], []),
         "capture x3 sites": ([greedy(n, capture=CAPTURE_DECODE)], [], []),
+        "capture post_block": ([greedy(n, capture=CAPTURE_POST_BLOCK)], [], []),
+        "capture post_block bf16": (
+            [greedy(n, capture={**CAPTURE_POST_BLOCK, "dtype": "bfloat16"})],
+            [],
+            [],
+        ),
     }
     if adapters:
         by_adapter = [greedy(n, adapter=f"adapter{j}") for j in range(adapters)]
@@ -495,11 +505,6 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         enable_prefix_caching=False,
         steering_request_rows=max(256, *args.ks),  # the default pool, or more if K needs it
         adapter_capacity=args.adapters if args.decode_steps else 0,
-        # Pinned host rows for every token a per-token capture pass holds until its
-        # requests are delivered, page-locked at start rather than on the first pass.
-        capture_host_rows=args.num_seqs * (args.decode_steps + DECODE_SLACK)
-        if args.decode_steps
-        else None,
         seed=args.seed,
     )
     k_names = {
@@ -611,7 +616,8 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
             f"graph steps: {stats['num_graph_steps']} (steered {stats['num_steered_graph_steps']},"
             f" adapted {stats['num_adapted_graph_steps']}),"
             f" eager steps: {stats['num_eager_steps']}, capture blocks outside the pinned"
-            f" reserve: {stats['num_capture_host_misses']}"
+            f" reserve: {stats['num_capture_host_misses']}, steps that waited for its rows:"
+            f" {stats['num_capture_host_waits']}"
         )
         if args.adapters:  # they must change outputs, or a no-op adapter path looks free
             name = f"adapters x{args.adapters}"

@@ -72,11 +72,13 @@ class EngineConfig:
     # tokens, or 0 here, copies each (layer, site) eagerly.
     graph_capture_rows: int | None = None
     # Pinned host rows (each 3 x layers x hidden in the model dtype) reserved at start on
-    # CUDA for those copies: a captured row holds one until its request is delivered, and
-    # a step whose rows do not fit page-locks a fresh block (milliseconds per step; counted
-    # in stats, warned once). None: 2 steps of `graph_capture_rows`, enough for captures of
-    # a request's last token; pinned memory cannot be swapped out, so a job capturing every
-    # token sizes it to what its running requests hold.
+    # CUDA for those copies. A step's block (only the sites its requests asked for) lands in
+    # a run of them; a drain thread moves it to pageable memory and gives the run back,
+    # so the reserve is a ring reused step after step whatever the requests hold. When the
+    # drain is behind, a step waits for rows (back-pressure, counted in stats); only a block
+    # larger than the whole reserve page-locks memory of its own (milliseconds; counted,
+    # warned once). None: 3 steps of `graph_capture_rows` (one block copying, one
+    # draining, one being written).
     capture_host_rows: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).

@@ -139,7 +139,7 @@ class LLMEngine:
             capture_rows=capture_rows,
             hidden=self.model_config.hidden_size,
             dtype=self.dtype,
-            host_rows=2 * capture_rows if cfg.capture_host_rows is None else cfg.capture_host_rows,
+            host_rows=3 * capture_rows if cfg.capture_host_rows is None else cfg.capture_host_rows,
         )
         if not cfg.enforce_eager and self.runner.can_use_graphs():
             steer_sites = frozenset(
@@ -708,7 +708,9 @@ class LLMEngine:
             "num_eager_steps": self.runner.num_eager_steps,
             "num_patch_passes": self.num_patch_passes,
             "num_patch_pass_tokens": self.num_patch_pass_tokens,
-            # capture blocks that did not fit the pinned reserve (capture_host_rows)
+            # capture blocks larger than the pinned reserve (capture_host_rows), and steps
+            # that waited for the drain to give rows back
             "num_capture_host_misses": host_rows.num_misses if host_rows else 0,
+            "num_capture_host_waits": host_rows.num_waits if host_rows else 0,
             "config": asdict(self.config),
         }

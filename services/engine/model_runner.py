@@ -734,7 +734,9 @@ class ModelRunner:
             pending.copied = torch.cuda.Event()
             pending.copied.record()
         if iv.capture_block:  # on a stream of its own, with its own event
-            pending.readback["captures"] = rb.copy_captures(len(iv.block_captures))
+            pending.readback["captures"] = rb.copy_captures(
+                len(iv.block_captures), iv.block_slots, iv.block_dtype
+            )
 
     def _copy_back(self, pending: PendingStep, sampled: SampledBatch) -> None:
         """Start the step's one device→host copy: sampled ids (and requested logprobs) into a

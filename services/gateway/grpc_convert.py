@@ -256,7 +256,7 @@ def steering_from_proto(msg: pb.SteeringSpec) -> dict[str, Any]:
 
 
 def _capture_to_proto(spec: CaptureSpec) -> pb.CaptureSpec:
-    msg = pb.CaptureSpec(sink=spec.sink, run=spec.run or "")
+    msg = pb.CaptureSpec(sink=spec.sink, run=spec.run or "", dtype=spec.dtype)
     for site, layers in spec.sites.items():
         if layers == "all":
             msg.sites[site].all = True
@@ -285,6 +285,7 @@ def _capture_from_proto(msg: pb.CaptureSpec) -> dict[str, Any]:
         out["positions"] = list(msg.list.positions)
     _put(out, "sink", msg.sink or None)
     _put(out, "run", msg.run or None)
+    _put(out, "dtype", msg.dtype or None)
     return out
 
 

@@ -381,6 +381,50 @@ def test_a_step_with_more_capturing_tokens_than_buffer_rows_copies_eagerly(model
             torch.testing.assert_close(rows, eager[rid].captures[key], atol=1e-4, rtol=1e-4)
 
 
+def _two_capturers(model_dir, **config) -> tuple[dict, list, LLMEngine]:
+    """Two requests decoding together, capturing different sites, one in bfloat16: their
+    outputs and the capture blocks the sink held for the first one mid-run."""
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
+    caps = {
+        "p": {"sites": {"post_block": "all"}, "positions": "all_generated"},
+        "q": {"sites": {"pre_attn": [0], "post_attn": [1]}, "positions": "all",
+              "dtype": "bfloat16"},
+    }  # fmt: skip
+    for rid, cap in caps.items():
+        params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, capture=cap)
+        engine.add_request(rid, PROMPTS[0], params)
+    totals, done, blocks = OutputAccumulator(), {}, []
+    while engine.has_unfinished_requests():
+        for out in totals.finished(engine.step()):
+            done[out.request_id] = out
+        blocks += [b for b, _ in engine.interventions.sink._blocks.get("p", {}).values()]
+    return done, blocks, engine
+
+
+def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(model_dir):
+    """A decode step's block holds the union of its requests' sites, not every site of
+    every layer; each request gets its own keys, and one that asked for bfloat16 gets the
+    float32 rows rounded to it."""
+    block, blocks, engine = _two_capturers(model_dir)
+    eager, no_blocks, _ = _two_capturers(model_dir, graph_capture_rows=0)
+    L = engine.model_config.num_layers
+    union = sorted({3 * layer + 2 for layer in range(L)} | {0, 3 + 1})  # capture_slot order
+    assert blocks and not no_blocks
+    assert all(b.slots == tuple(union) and b.host.shape[1] == len(union) for b in blocks)
+    assert len(union) < 3 * L
+    p, q = block["p"], block["q"]
+    assert sorted(p.captures) == [f"{layer}.post_block" for layer in range(L)]
+    assert sorted(q.captures) == ["0.pre_attn", "1.post_attn"]
+    assert all(t.dtype == torch.float32 for t in p.captures.values())
+    assert all(t.dtype == torch.bfloat16 for t in q.captures.values())
+    for rid, out in block.items():
+        ref = eager[rid]
+        assert out.capture_positions == ref.capture_positions
+        for key, rows in out.captures.items():
+            assert rows.dtype == ref.captures[key].dtype
+            torch.testing.assert_close(rows.float(), ref.captures[key].float(), atol=1e-4, rtol=0)
+
+
 def _req(seq_id, tokens, start, blocks, samples=True) -> StepRequest:
     return StepRequest(seq_id, tokens, start, blocks, samples, Params(), None)
 

@@ -3,10 +3,11 @@
 The engine hands each sink the pristine rows it captured this step, in one of two shapes:
 - `write`: rows of one `"<layer>.<site>"` key at some positions, from a step that copied
   them eagerly (prefill and mixed steps);
-- `write_block`: a decode step's capture block (`planner.CapturedBlock`, every site of every
-  layer of each capturing token) and the request's row in it. The block is shared by the
-  step's requests, so a step costs one call per request, not one per request and key, and
-  the rows stay where they landed until the result is built.
+- `write_block`: a decode step's capture block (`planner.CapturedBlock`: each capturing
+  token's rows at the sites the step's requests asked for) and the request's row in it.
+  The block is shared by the step's requests, so a step costs one call per request, not
+  one per request and key, and the rows stay where the drain put them (pageable memory)
+  until the result is built.
 
 The sink assembles them. `InlineCaptureSink` returns them with the request's final output;
 with sink "patch_store" the engine writes that result as a run.
@@ -32,8 +33,11 @@ class CaptureSink(Protocol):
         """Store row `row` of a `CapturedBlock` as the request's capture at `position`, for
         each of `keys`."""
 
-    def result(self, request_id: str) -> tuple[dict[str, torch.Tensor], list[int]] | None:
-        """The request's captures so far: `{key: [num_positions, H]}` in position order."""
+    def result(
+        self, request_id: str, dtype: torch.dtype = torch.float32
+    ) -> tuple[dict[str, torch.Tensor], list[int]] | None:
+        """The request's captures so far: `{key: [num_positions, H]}` in `dtype`, in
+        position order."""
 
     def drop(self, request_id: str) -> None:
         """Forget the request (finished and delivered, or aborted)."""
@@ -76,7 +80,9 @@ class InlineCaptureSink:
             for by_pos in self._rows[request_id].values():
                 by_pos.pop(position, None)
 
-    def result(self, request_id: str) -> tuple[dict[str, torch.Tensor], list[int]] | None:
+    def result(
+        self, request_id: str, dtype: torch.dtype = torch.float32
+    ) -> tuple[dict[str, torch.Tensor], list[int]] | None:
         rows = self._rows.get(request_id, {})
         blocks = self._blocks.get(request_id, {})
         keys = list(rows) or self._block_keys.get(request_id, [])
@@ -86,7 +92,7 @@ class InlineCaptureSink:
         out = {}
         if blocks:  # every block position's rows of every key in one gather per block
             at = {p: i for i, p in enumerate(positions)}
-            slots = torch.tensor([_slot(k) for k in keys])
+            slots = [_slot(k) for k in keys]
             by_block: dict[int, tuple[Any, list[int], list[int]]] = {}
             for p, (block, row) in blocks.items():
                 entry = by_block.setdefault(id(block), (block, [], []))
@@ -94,10 +100,12 @@ class InlineCaptureSink:
                 entry[2].append(row)
             gathered = None  # [K, positions, H]: each key's rows contiguous
             for block, index, block_rows in by_block.values():
-                part = block.rows()[torch.tensor(block_rows)][:, slots].float()  # [n, K, H]
+                cols = torch.tensor([block.column[slot] for slot in slots])
+                part = block.rows()[torch.tensor(block_rows)][:, cols]  # [n, K, H]
                 if gathered is None:
-                    gathered = torch.zeros(len(keys), len(positions), part.shape[2])
-                gathered[:, torch.tensor(index)] = part.transpose(0, 1)
+                    shape = (len(keys), len(positions), part.shape[2])
+                    gathered = torch.zeros(shape, dtype=dtype)
+                gathered[:, torch.tensor(index)] = part.transpose(0, 1).to(dtype)
             assert gathered is not None
             out = {k: gathered[j] for j, k in enumerate(keys)}
         for k in keys:
@@ -105,11 +113,11 @@ class InlineCaptureSink:
             if not by_pos:
                 continue
             if k not in out:
-                out[k] = torch.stack([by_pos[p] for p in positions])
+                out[k] = torch.stack([by_pos[p] for p in positions]).to(dtype)
             else:
                 for i, p in enumerate(positions):
                     if p in by_pos:
-                        out[k][i] = by_pos[p]
+                        out[k][i] = by_pos[p].to(dtype)
         return out, positions
 
     def drop(self, request_id: str) -> None:

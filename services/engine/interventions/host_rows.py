@@ -1,24 +1,30 @@
-"""Pinned host rows for capture blocks, reserved once.
+"""Pinned host rows for capture blocks, reserved once, and the drain that frees them.
 
-A decode step that captures copies its block of rows to pinned host memory, and the rows
-stay there until every request holding some of them has been delivered. Page-locking a
-fresh block for each step costs milliseconds per megabyte-scale block (38-40 ms of host
-time for the 96 MB block of 128 Llama-3-8B tokens), so a long capture job would pay it on
-every step until PyTorch's pinned cache held its working set.
+A decode step that captures copies its block of rows to pinned host memory on a copy stream
+of its own. Page-locking a fresh block for each step costs milliseconds per megabyte-scale
+block (38-40 ms of host time for the 96 MB block of 128 Llama-3-8B tokens), so `PinnedRows`
+page-locks an arena of rows at start and hands out contiguous runs of them (first fit over a
+sorted free list, neighbours merged on release). A run goes back when its `Lease` is
+garbage-collected.
 
-`PinnedRows` page-locks an arena of rows at start and hands out contiguous runs of them
-(first fit over a sorted free list, neighbours merged on release). A run goes back when its
-`Lease`, held by the step's `CapturedBlock`, is garbage-collected: when the last sink
-holding the block lets go. A step whose rows do not fit gets a fresh pinned block, as
-before, and is counted.
+`CaptureDrain` is what lets go of it: a thread that waits for each block's copy to land,
+moves the rows into pageable memory in the dtype the step's requests asked for, and drops
+the lease, so pinned rows are held for the copy alone (about a step), not until the
+requests are delivered, and the arena is a ring reused step after step. When it is full
+(the drain behind), `take` waits for rows to come back: back-pressure on the engine, which
+is cheaper than page-locking a block. Only a block larger than the whole arena is pinned on
+its own, and counted.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import queue
 import threading
+import time
 import weakref
+from typing import Any
 
 import torch
 
@@ -45,23 +51,32 @@ class PinnedRows:
         self.pin = pin
         self._arena = torch.empty((num_rows, *row_shape), dtype=dtype, pin_memory=pin)
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)  # notified as runs come back
         # Free runs as parallel sorted lists: starts and their lengths.
         self._starts: list[int] = [0] if num_rows else []
         self._lengths: list[int] = [num_rows] if num_rows else []
         self.num_misses = 0  # blocks that did not fit and were page-locked on their own
+        self.num_waits = 0  # takes that waited for rows to come back (back-pressure)
 
     @property
     def num_free(self) -> int:
         with self._lock:
             return sum(self._lengths)
 
-    def take(self, n: int) -> tuple[torch.Tensor, Lease | None]:
+    def take(self, n: int, wait_s: float = 0.0) -> tuple[torch.Tensor, Lease | None]:
         """A pinned `[n, *row_shape]` host tensor and its lease: a run of the arena, given
         back when the lease is garbage-collected (so whoever reads the rows holds the
-        lease, and keeps no view of them past it); or, if no free run holds `n` rows, a
-        fresh pinned block and no lease."""
+        lease, and keeps no view of them past it). If no free run holds `n` rows, waits up
+        to `wait_s` for leased rows to come back; after that (or at once, if `n` exceeds
+        the arena) a fresh pinned block and no lease."""
         with self._lock:
             start = self._take(n)
+            if start is None and n <= self.num_rows and wait_s > 0:
+                self.num_waits += 1
+                deadline = time.monotonic() + wait_s
+                while start is None and (left := deadline - time.monotonic()) > 0:
+                    self._returned.wait(left)
+                    start = self._take(n)
         if start is not None:
             lease = Lease()
             weakref.finalize(lease, self._give_back, start, n)
@@ -103,3 +118,45 @@ class PinnedRows:
             if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:
                 self._lengths[i - 1] += self._lengths.pop(i)
                 del self._starts[i]
+            self._returned.notify_all()
+
+
+class CaptureDrain:
+    """A thread that takes landed capture blocks out of pinned memory.
+
+    `submit(block, dtype)` queues a `CapturedBlock` whose copy into pinned rows is under way;
+    the thread waits for the copy's event, copies the rows into pageable memory in `dtype`
+    (one conversion of the whole block, which ATen spreads over its threads; the engine's
+    thread only queues), swaps them in, drops the pinned lease, and marks the block
+    drained. A block's reader waits for that (`CapturedBlock.rows`)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, torch.dtype] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="capture-drain", daemon=True)
+        self._thread.start()
+        self.num_blocks = 0
+
+    def submit(self, block: Any, dtype: torch.dtype) -> None:
+        block.drained = threading.Event()
+        self._queue.put((block, dtype))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            block, dtype = item
+            try:
+                if block.done is not None:
+                    block.done.synchronize()  # releases the GIL while it waits
+                host = torch.empty(block.host.shape, dtype=dtype)  # pageable
+                host.copy_(block.host)
+                block.host = host
+                block.lease = None  # the pinned rows go back to the arena now
+                self.num_blocks += 1
+            except Exception as exc:  # the block's reader raises it, the engine runs on
+                log.exception("capture drain failed")
+                block.error = exc
+            finally:
+                block.drained.set()
+
+    def stop(self) -> None:
+        """End the thread once the blocks queued before are drained."""
+        self._queue.put(None)

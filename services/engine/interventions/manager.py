@@ -386,8 +386,9 @@ class InterventionManager:
 
     def captures(self, group: RequestGroup) -> tuple[dict[str, torch.Tensor], list[int]] | None:
         """A finished request's captures; with sink "patch_store", written as its run first."""
-        result = self.sink.result(group.request_id)
         iv = group.interventions
+        dtype = iv.capture.dtype if iv is not None and iv.capture is not None else torch.float32
+        result = self.sink.result(group.request_id, dtype)
         run = iv.capture.run if iv is not None and iv.capture is not None else None
         if result is None or run is None or iv is None or iv.capture_run or iv.capture_error:
             return result

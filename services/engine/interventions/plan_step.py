@@ -150,6 +150,9 @@ class StepPlanner:
             capture_block=bool(block),
             block_captures=[(i, pos) for i, pos, _ in block],
         )
+        if block:
+            caps = [sched.scheduled[i].seq.group.interventions.capture for i, _, _ in block]
+            plan.block_slots, plan.block_dtype = self._block_columns(caps)
         # Cached unless planning itself moved the epoch (a gate met a sequence).
         cacheable = not (capture_rows or patch_rows) and steer_tokens is not None
         if key is not None and cacheable and key[0] == self._epoch:
@@ -182,6 +185,10 @@ class StepPlanner:
             rows = np.full(len(sched.scheduled), -1, np.int32)
             rows[[i for i, _ in block]] = np.arange(len(block), dtype=np.int32)
             steer_tokens = dataclasses.replace(steer_tokens, capture_rows=rows)
+        slots, dtype = (), torch.float32
+        if block:
+            by_request = dict(capturers)
+            slots, dtype = self._block_columns([by_request[i] for i, _ in block])
         return StepInterventions(
             self.tables,
             kernel_sites | self.capture_sites if block else kernel_sites,
@@ -193,7 +200,17 @@ class StepPlanner:
             decode_only=True,
             capture_block=bool(block),
             block_captures=block,
+            block_slots=slots,
+            block_dtype=dtype,
         )
+
+    @staticmethod
+    def _block_columns(caps: list[Any]) -> tuple[tuple[int, ...], torch.dtype]:
+        """A capture block's columns, the slots some capture of `caps` asked for (sorted),
+        and its host dtype: bfloat16 only if every one asked for it."""
+        slots = frozenset().union(*{cap.slots for cap in caps})
+        wide = any(cap.dtype != torch.bfloat16 for cap in caps)
+        return tuple(sorted(slots)), torch.float32 if wide else torch.bfloat16
 
     def _plan_tokens(self, sched: SchedulerOutput, reads: bool, dynamic_gain: float) -> SteerTokens:
         """Each token's steering row, latched bits, decode flag, dynamic gain, read-out row

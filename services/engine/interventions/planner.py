@@ -13,13 +13,16 @@ them, and comes back with one asynchronous pinned copy per kind behind the step.
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from services.engine.interventions.host_rows import Lease, PinnedRows
+from services.engine.interventions.host_rows import CaptureDrain, Lease, PinnedRows
 from services.engine.interventions.resolve import RowContent, SiteKey
 from services.engine.interventions.sites import SITES
 from services.engine.interventions.tables import SteeringTables
@@ -64,16 +67,30 @@ def block_capture_sites(num_layers: int) -> frozenset[SiteKey]:
 
 @dataclass
 class CapturedBlock:
-    """One step's captured rows `[tokens, 3 x layers, H]` on the host (slot order of
-    `kernels.capture.capture_slot`), with the event their copy finishes on (CUDA)."""
+    """One step's captured rows `[tokens, len(slots), H]` on the host: column j holds
+    capture slot `slots[j]` (`kernels.capture.capture_slot`), the slots the step's
+    capturing requests asked for. On CUDA the rows land in pinned memory (`done`: the
+    copy's event), and a `CaptureDrain` moves them to pageable memory (`drained`)."""
 
     host: torch.Tensor
+    slots: tuple[int, ...]
     done: Any = None  # torch.cuda.Event
-    lease: Lease | None = None  # the reserved host rows `host` is, while this block lives
+    lease: Lease | None = None  # the reserved host rows `host` is, until drained
+    drained: threading.Event | None = None  # set by the drain once `host` is pageable
+    error: BaseException | None = None  # why the drain failed, if it did
+
+    @functools.cached_property
+    def column(self) -> dict[int, int]:
+        """Each captured slot's column."""
+        return {slot: j for j, slot in enumerate(self.slots)}
 
     def rows(self) -> torch.Tensor:
-        """The rows, once the copy has landed."""
-        if self.done is not None:
+        """The rows, once the copy has landed (and been drained, where a drain runs)."""
+        if self.drained is not None:
+            self.drained.wait()
+            if self.error is not None:
+                raise RuntimeError(f"capture rows were lost: {self.error}") from self.error
+        elif self.done is not None:
             self.done.synchronize()
         return self.host
 
@@ -89,8 +106,13 @@ class Readback:
     - `captures` [capture rows, layers x sites, H] in the model's dtype: the residuals of
       the tokens a step captures (None when `capture_rows` is 0). They come back on a copy
       stream of their own (`copy_captures`), so the next step need not wait, into
-      `host_rows` pinned host rows reserved at start (`PinnedRows`).
+      `host_rows` pinned host rows reserved at start (`PinnedRows`), which a drain thread
+      gives back as soon as each copy lands (`CaptureDrain`).
     """
+
+    # How long a step waits for pinned rows the drain has not given back yet before it
+    # page-locks a block of its own: back-pressure when the drain falls behind.
+    HOST_ROWS_WAIT_S = 2.0
 
     def __init__(
         self,
@@ -124,9 +146,13 @@ class Readback:
         self._staging_done: list[Any] = [None, None]
         self._staging_turn = 0
         self.host_rows: PinnedRows | None = None
+        self.drain: CaptureDrain | None = None
         if self._copy_stream is not None:
             row_shape = (num_layers * len(SITES), hidden)
             self.host_rows = PinnedRows(host_rows, row_shape, dtype)
+            self.drain = CaptureDrain()
+            weakref.finalize(self, self.drain.stop)  # the thread ends with its readback
+        self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._hosts: dict[str, list[torch.Tensor]] = {}
         if self.on_cuda:
             self._hosts = {
@@ -156,39 +182,64 @@ class Readback:
             host.copy_(src, non_blocking=True)
         return out
 
-    def copy_captures(self, num_rows: int) -> CapturedBlock:
-        """Start bringing this step's `captures[:num_rows]` to the host: a device copy into
+    def copy_captures(
+        self, num_rows: int, slots: tuple[int, ...] = (), dtype: torch.dtype = torch.float32
+    ) -> CapturedBlock:
+        """Start bringing this step's `captures[:num_rows]` to the host, only the columns of
+        `slots` (sorted; empty: every slot): a device copy (a gather of those columns) into
         one of two staging buffers behind the step (the next step overwrites the capture
         buffer), then a copy into pinned host memory on a stream of its own, while the next
         step runs. A staging buffer is written again only after its copy out has finished
         (a wait on the device, not the host), so the hot path allocates no device memory.
 
-        The host rows are a run of the pinned reserve (`host_rows`), held as long as a
-        request holds rows in the block: page-locking a fresh block costs milliseconds
-        (about 16 ms for 22 MB on an H100 host), reusing reserved rows costs nothing."""
+        The host rows are a run of the pinned reserve (`host_rows`); the drain thread moves
+        them to pageable memory in `dtype` once they land and gives the run back, so the
+        reserve is reused step after step. Page-locking a fresh block costs milliseconds
+        (about 16 ms for 22 MB on an H100 host); reusing reserved rows costs nothing."""
         assert self.captures is not None
         src = self.captures[:num_rows]
+        width = src.shape[1]
+        slots = slots or tuple(range(width))
         if not self.on_cuda:
-            return CapturedBlock(src.clone())
+            cols = src if len(slots) == width else src[:, list(slots)]
+            return CapturedBlock(cols.to(dtype, copy=True), slots)
         k = self._staging_turn
         self._staging_turn ^= 1
         main, stream = torch.cuda.current_stream(), self._copy_stream
         assert stream is not None
         if self._staging_done[k] is not None:
             main.wait_event(self._staging_done[k])
-        staged = self._staging[k][:num_rows]
-        staged.copy_(src)
+        shape = (num_rows, len(slots), src.shape[2])
+        staged = self._staging[k].view(-1)[: shape[0] * shape[1] * shape[2]].view(shape)
+        if len(slots) == width:
+            staged.copy_(src)
+        else:
+            torch.index_select(src, 1, self._slots_on_device(slots), out=staged)
         ready = torch.cuda.Event()
         ready.record(main)
         stream.wait_event(ready)
-        assert self.host_rows is not None
-        host, lease = self.host_rows.take(num_rows)
+        assert self.host_rows is not None and self.drain is not None
+        arena_rows = -(-shape[0] * shape[1] // width)
+        run, lease = self.host_rows.take(arena_rows, wait_s=self.HOST_ROWS_WAIT_S)
+        host = run.view(-1)[: staged.numel()].view(shape)
         with torch.cuda.stream(stream):
             host.copy_(staged, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         self._staging_done[k] = done
-        return CapturedBlock(host, done, lease)
+        block = CapturedBlock(host, slots, done, lease)
+        self.drain.submit(block, dtype)
+        return block
+
+    def _slots_on_device(self, slots: tuple[int, ...]) -> torch.Tensor:
+        index = self._slot_index.get(slots)
+        if index is None:
+            if len(self._slot_index) >= 64:  # a server sees few sets; bound it anyway
+                self._slot_index.clear()
+            device = self.captures.device
+            index = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+            self._slot_index[slots] = index
+        return index
 
 
 @dataclass
@@ -220,6 +271,10 @@ class StepInterventions:
     # the capturing request's index in the schedule and the position captured.
     capture_block: bool = False
     block_captures: list[tuple[int, int]] = field(default_factory=list)
+    # The block's columns: the capture slots its requests asked for (sorted), and the dtype
+    # its rows are kept in on the host (float32 unless every one of them asked bfloat16).
+    block_slots: tuple[int, ...] = ()
+    block_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.gated and self.decode_only and self.gate_index is None:

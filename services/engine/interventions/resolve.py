@@ -25,6 +25,7 @@ from services.engine.interventions.spec import (
     SteeringSpec,
 )
 from services.engine.interventions.vectors import VectorRegistry, vector_for_layer
+from services.engine.kernels.capture import capture_slot
 
 SiteKey = tuple[int, str]  # (layer, site)
 
@@ -94,11 +95,17 @@ class ResolvedCapture:
     sites: list[SiteKey]
     positions: str | frozenset[int]
     run: str | None = None  # also write to the patch-source store under this run id
+    dtype: torch.dtype = torch.float32  # of the rows returned
 
     @functools.cached_property
     def keys(self) -> list[str]:
         """Its sites as `"<layer>.<site>"` keys, in `sites` order."""
         return [site_key(L, s) for L, s in self.sites]
+
+    @functools.cached_property
+    def slots(self) -> frozenset[int]:
+        """Its sites' slots in a capture block (`kernels.capture.capture_slot`)."""
+        return frozenset(capture_slot(L, s) for L, s in self.sites)
 
     def wants(self, position: int, num_prompt_tokens: int) -> bool:
         p = self.positions
@@ -408,5 +415,8 @@ class Resolver:
         keys.sort(key=lambda k: (k[0], SITES.index(k[1])))
         positions = spec.positions
         return ResolvedCapture(
-            keys, frozenset(positions) if isinstance(positions, list) else positions, spec.run
+            keys,
+            frozenset(positions) if isinstance(positions, list) else positions,
+            spec.run,
+            getattr(torch, spec.dtype),
         )

@@ -168,6 +168,8 @@ class CaptureSpec(_Strict):
     # patch-source store as run `run` when the request finishes (a patch source for later).
     sink: Literal["inline", "patch_store"] = "inline"
     run: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # The returned rows' dtype: bfloat16 halves what a long per-token capture holds and sends.
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="before")
     @classmethod

@@ -144,7 +144,7 @@ class Positions(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CaptureSpec(_message.Message):
-    __slots__ = ("sites", "named", "list", "sink", "run")
+    __slots__ = ("sites", "named", "list", "sink", "run", "dtype")
     class SitesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -157,12 +157,14 @@ class CaptureSpec(_message.Message):
     LIST_FIELD_NUMBER: _ClassVar[int]
     SINK_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     sites: _containers.MessageMap[str, CaptureLayers]
     named: str
     list: Positions
     sink: str
     run: str
-    def __init__(self, sites: _Optional[_Mapping[str, CaptureLayers]] = ..., named: _Optional[str] = ..., list: _Optional[_Union[Positions, _Mapping]] = ..., sink: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, sites: _Optional[_Mapping[str, CaptureLayers]] = ..., named: _Optional[str] = ..., list: _Optional[_Union[Positions, _Mapping]] = ..., sink: _Optional[str] = ..., run: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RunPosition(_message.Message):
     __slots__ = ("run", "position")

@@ -1,13 +1,16 @@
 """The pinned host rows capture blocks copy into: runs handed out, given back when their
-lease is collected, merged, and a miss when nothing fits (pin=False: no CUDA here)."""
+lease is collected, merged, waited for when the arena is full, a miss when a block is larger
+than the arena, and the drain that moves landed rows out (pin=False: no CUDA here)."""
 
 from __future__ import annotations
 
 import gc
+import threading
 
 import torch
 
-from services.engine.interventions.host_rows import PinnedRows
+from services.engine.interventions.host_rows import CaptureDrain, PinnedRows
+from services.engine.interventions.planner import CapturedBlock
 
 
 def _rows(n: int = 10) -> PinnedRows:
@@ -56,3 +59,44 @@ def test_a_block_that_does_not_fit_is_fresh_memory_and_counted():
     del lease
     gc.collect()
     assert pool.num_free == 4
+
+
+def test_a_take_that_does_not_fit_waits_for_rows_to_come_back():
+    """Back-pressure: with the arena full, a take waits for a lease dropped by another thread
+    (the drain's) and gets the arena's rows, not a fresh block."""
+    pool = _rows(4)
+    held, lease = pool.take(4)
+    ptr = held.data_ptr()
+    del held
+    holder = {"lease": lease}  # the drain's: it lets go from its own thread, a little later
+    del lease
+    threading.Timer(0.2, holder.clear).start()
+    got, again = pool.take(3, wait_s=10.0)
+    assert again is not None and got.data_ptr() == ptr
+    assert pool.num_waits == 1 and pool.num_misses == 0
+
+
+def test_a_take_larger_than_the_arena_does_not_wait():
+    pool = _rows(4)
+    got, lease = pool.take(5, wait_s=10.0)
+    assert lease is None and got.shape[0] == 5
+    assert pool.num_waits == 0 and pool.num_misses == 1
+
+
+def test_the_drain_moves_a_block_to_pageable_rows_in_its_dtype_and_frees_the_run():
+    pool = _rows(4)
+    run, lease = pool.take(2)
+    run.copy_(torch.arange(24, dtype=torch.float32).view(2, 3, 4) / 3)
+    block = CapturedBlock(run, (0, 1, 2), None, lease)
+    del run, lease
+    drain = CaptureDrain()
+    try:
+        drain.submit(block, torch.bfloat16)
+        rows = block.rows()  # waits for the drain
+        assert rows.dtype == torch.bfloat16 and rows.data_ptr() != pool._arena.data_ptr()
+        want = (torch.arange(24, dtype=torch.float32).view(2, 3, 4) / 3).bfloat16()
+        assert torch.equal(rows, want)
+        gc.collect()
+        assert pool.num_free == 4 and block.lease is None  # the run is back in the arena
+    finally:
+        drain.stop()
