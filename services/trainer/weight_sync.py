@@ -28,12 +28,3 @@ def engine_adapter_state(adapters: AdapterSet) -> dict[str, dict[str, torch.Tens
             parts["lora_b"] = m.lora_b_q.detach().to("cpu").clone()
         state[name] = parts
     return state
-
-
-def deploy_adapter_state(adapters: AdapterSet) -> dict[str, dict[str, torch.Tensor]]:
-    """The deployed adapter only (quarantine ablated), for any quarantine kind: both of its
-    engine variants are the deployed policy."""
-    return {
-        name: {"kept": m.delta_s.detach().to("cpu", torch.float64).clone()}
-        for name, m in adapters.modules.items()
-    }
