@@ -12,18 +12,17 @@ store on a new port with a new service key: clients built on `actor_target(...)`
 the endpoint when the old one fails, and the new store answers runs it lost with
 RunNotFoundError saying the store restarted.
 
-Ray is imported only here, and only when needed; the rest of the patch store runs without it.
+Ray is imported only here and in `endpoint.actor_resolver`, and only when needed; the rest of
+the patch store runs without it.
 """
 
 from __future__ import annotations
 
 import secrets
-import time
-from typing import Any, cast
+from typing import Any
 
 from services.common.auth import ApiKey, ApiKeys
-from services.common.errors import ServiceUnavailableError
-from services.patch_store.client import ACTOR_SCHEME, PatchStoreEndpoint, Resolver
+from services.patch_store.endpoint import ACTOR_SCHEME, PatchStoreEndpoint
 from services.patch_store.server import DEFAULT_MAX_MESSAGE_BYTES, PatchStoreServer, serve
 from services.patch_store.store import PatchStore
 
@@ -103,38 +102,6 @@ def actor_target(name: str, namespace: str) -> str:
     """The client target naming the patch-store actor `name` in `namespace`: a
     `PatchStoreClient` given it resolves the actor's endpoint, again after a restart."""
     return f"{ACTOR_SCHEME}{namespace}/{name}"
-
-
-def actor_resolver(target: str, *, timeout_s: float = 60.0) -> Resolver:
-    """A resolver of `ray-actor://<namespace>/<name>`: the actor's current endpoint (waiting
-    up to `timeout_s` for one that is restarting), ServiceUnavailableError when there is none."""
-    namespace, _, name = target.removeprefix(ACTOR_SCHEME).partition("/")
-    if not namespace or not name:
-        raise ValueError(f"a patch store actor target reads {ACTOR_SCHEME}<namespace>/<name>")
-
-    def resolve() -> PatchStoreEndpoint:
-        import ray
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                handle = ray.get_actor(name, namespace=namespace)
-                return cast(
-                    PatchStoreEndpoint, ray.get(handle.endpoint.remote(), timeout=timeout_s)
-                )
-            except ray.exceptions.ActorUnavailableError as e:  # restarting: ask again
-                if time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    continue
-                error: Exception = e
-            except (ValueError, ray.exceptions.RayError) as e:  # gone for good, or timed out
-                error = e
-            raise ServiceUnavailableError(
-                f"the patch store actor {name!r} (namespace {namespace!r}) is not reachable: "
-                f"{type(error).__name__}: {str(error)[:200]}"
-            ) from None
-
-    return resolve
 
 
 def _node_ip() -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,27 +28,18 @@ from services.common.errors import (
 )
 from services.common.grpc_client import GrpcClient
 from services.patch_store import convert
+from services.patch_store.endpoint import (
+    ACTOR_SCHEME,
+    PatchStoreEndpoint,
+    Resolver,
+    actor_resolver,
+)
 from services.patch_store.server import DEFAULT_MAX_MESSAGE_BYTES
 from services.patch_store.store import LayerSite, Manifest, RowKey
 from services.proto.coxswain.v1 import patch_store_pb2 as pb
 from services.proto.coxswain.v1 import patch_store_pb2_grpc as pb_grpc
 
 DEFAULT_CHUNK_BYTES = 2**20
-ACTOR_SCHEME = "ray-actor://"  # a target naming the cluster's patch-store actor
-
-
-@dataclass(frozen=True)
-class PatchStoreEndpoint:
-    """Where a patch store listens and the bearer key to call it with."""
-
-    address: str  # host:port
-    api_key: str | None = None
-
-    def __repr__(self) -> str:  # never log a key
-        return f"PatchStoreEndpoint(address={self.address!r})"
-
-
-Resolver = Callable[[], PatchStoreEndpoint]
 
 
 class PatchStoreClient(GrpcClient):
@@ -69,8 +59,6 @@ class PatchStoreClient(GrpcClient):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if address is not None and address.startswith(ACTOR_SCHEME):
-            from services.patch_store.actor import actor_resolver
-
             resolver, address = actor_resolver(address, timeout_s=max(timeout_s, 60.0)), None
         if (address is None) == (resolver is None):
             raise InvalidRequestError("a patch store client needs an address or a resolver")
