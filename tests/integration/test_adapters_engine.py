@@ -248,3 +248,21 @@ def test_an_unloaded_loras_slot_serves_the_next_adapter_without_leakage(path):
     engine.load_adapter("small", small)
     out = _run(engine, [_params(adapter="small")])[0]
     assert _generated_logprobs(out) == pytest.approx(_want(path, small, "trained", out), abs=1e-4)
+
+
+def test_a_deploy_request_never_reuses_blocks_the_trained_variant_computed(path):
+    """The two variants of one adapter compute different KV for the same prompt, so the
+    prefix cache keeps them apart: deploy after trained is a miss, and equals a fresh run."""
+    engine = LLMEngine(path, EngineConfig(**CONFIG, block_size=4))
+    state = _state(engine, 40)
+    engine.load_adapter("policy", state)
+    _run(engine, [_params(adapter="policy")])
+    deploy = _run(engine, [_params(adapter="policy", adapter_variant="deploy")])[0]
+    assert deploy.num_cached_tokens == 0
+    fresh = LLMEngine(path, EngineConfig(**CONFIG, block_size=4))
+    fresh.load_adapter("policy", state)
+    want = _run(fresh, [_params(adapter="policy", adapter_variant="deploy")])[0]
+    assert deploy.outputs[0].token_ids == want.outputs[0].token_ids
+    assert _generated_logprobs(deploy) == pytest.approx(_generated_logprobs(want), abs=1e-5)
+    again = _run(engine, [_params(adapter="policy", adapter_variant="deploy")])[0]
+    assert again.num_cached_tokens == 16  # the same variant still hits its own blocks

@@ -88,6 +88,26 @@ def test_text_a_stop_string_cuts_is_never_sent(model_dir):
     assert streamed == text[: text.index(stop)]
 
 
+def test_the_longest_of_several_stop_strings_sets_how_much_is_held_back(model_dir):
+    """With stop strings of unequal length, text is held back by the longest one's length:
+    a short stop string that never matches must not let the start of a long one stream."""
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    text = _totals(_deltas(model_dir, plain))["1"].outputs[0].text
+    long_stop = text[len(text) // 2 : len(text) // 2 + 12]
+    assert len(long_stop) == 12
+    short_stop = next(c for c in "xqz#~" if c not in text)
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, stop=[short_stop, long_stop]
+    )
+    steps = _deltas(model_dir, params)
+    streamed = "".join(
+        s.text for step in steps for delta in step if delta.request_id == "1" for s in delta.samples
+    )
+    final = _totals(steps)["1"].outputs[0]
+    assert (final.finish_reason, final.stop_reason) == ("stop", long_stop)
+    assert streamed == final.text == text[: text.index(long_stop)]
+
+
 def test_merged_deltas_say_what_the_deltas_did(model_dir):
     """A slow reader's waiting deltas merge into one; adding it equals adding each."""
     params = SamplingParams(

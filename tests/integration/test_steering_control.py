@@ -397,3 +397,17 @@ def test_latches_belong_to_each_sample(path):
     assert out.outputs[lo].token_ids == base.outputs[lo].token_ids
     _assert_close(out.outputs[lo].logprobs, base.outputs[lo].logprobs)
     assert out.outputs[hi].logprobs != base.outputs[hi].logprobs
+
+
+def test_a_vector_updates_scale_multiplies_its_vector(path):
+    """`SteeringVectorUpdate(v, scale=3)` steers exactly as `3v` at scale 1, and not as `v`."""
+    prompt, v = _prompt(64), _vec(64, H, norm=2.0)
+
+    def steered(vector: torch.Tensor, scale: float) -> list[dict[int, float]]:
+        engine = _engine(path)
+        engine.submit_action(SteeringVectorUpdate("post_block", [1], vector.tolist(), scale))
+        return _step_logprobs(_run(engine, {"s": (prompt, _params())})["s"])
+
+    scaled, tripled, unscaled = steered(v, 3.0), steered(3 * v, 1.0), steered(v, 1.0)
+    _assert_close(scaled, tripled)
+    assert scaled != unscaled

@@ -132,6 +132,20 @@ def test_truncation_applies_only_to_rows_that_ask():
     assert tok[-1] == 0
 
 
+def test_a_top_k_only_batch_keeps_each_rows_own_k():
+    """Without top-p the sampler takes one `topk` of the batch's largest k; every row's own
+    k-th largest must come from it, so a k=3 row next to k=1 rows still draws from 3 tokens."""
+    n = 600
+    params = [SamplingParams(temperature=1.0, top_k=1 if i % 2 else 3, seed=i) for i in range(n)]
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    meta = SamplingMetadata.build(params, gens, "cpu")
+    assert meta.needs_top_k and not meta.needs_top_p  # the top-k-only path
+    out = sample_to_host(LOGITS.repeat(n, 1), params, gens, torch.Generator())
+    tok = torch.tensor(out.token_ids)
+    assert set(tok[1::2].tolist()) == {0}
+    assert set(tok[0::2].tolist()) == {0, 1, 2}
+
+
 def test_metadata_turns_on_only_the_stages_the_batch_needs():
     plain = SamplingMetadata.build([SamplingParams(temperature=1.0)] * 3, [None] * 3, "cpu")
     assert not plain.all_greedy
