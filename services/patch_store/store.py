@@ -207,6 +207,12 @@ def check_run(
             raise InvalidRequestError(
                 f"{where}: rows must be [num_positions={len(positions)}, H], got {list(t.shape)}"
             )
+        if not bool(torch.isfinite(t).all()):  # a NaN row would patch in silently as NaN
+            bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten().tolist()
+            raise InvalidRequestError(
+                f"{where}: rows hold NaN or inf at positions "
+                f"[{_summary([positions[i] for i in bad])}]; a patch-source run must be finite"
+            )
         if hidden is None:
             hidden, dtype = int(t.shape[1]), t.dtype
         elif t.shape[1] != hidden or t.dtype != dtype:

@@ -396,7 +396,14 @@ class Resolver:
             keys = [(entries[i].layer, entries[i].site, _run_position(entries[i])) for i in idx]
             rows = sources.get_rows(run, keys)  # raises RunNotFoundError / InvalidRequestError
             for i, row in zip(idx, rows, strict=True):
-                targets[i] = self._check_hidden(row.float(), f"patch[{i}].source")
+                what = f"patch[{i}].source"
+                targets[i] = self._check_hidden(row.float(), what)
+                if not bool(torch.isfinite(targets[i]).all()):  # stores refuse these; be sure
+                    e = entries[i]
+                    raise InvalidRequestError(
+                        f"{what}: run {run!r} holds NaN or inf at (layer {e.layer}, site "
+                        f"{e.site!r}, position {_run_position(e)}); a patch from it would be NaN"
+                    )
         by_site: dict[SiteKey, list[tuple[int, torch.Tensor, float]]] = {}
         parts: list[Any] = []
         for i, e in sorted(
