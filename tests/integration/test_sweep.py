@@ -328,7 +328,8 @@ def test_the_pass_and_patched_requests_give_one_grid_at_every_site(
         model = _windowed(tiny_checkpoint, tmp_path_factory, 4)
     else:
         model = tiny_checkpoint(family, layers=3)
-    spec = dict(sites=["pre_attn", "post_attn", "post_block"], alpha=0.5)
+    # alpha 0.3, not 0.5: an inverted blend, alpha·h + (1 − alpha)·clean, is the same at 0.5
+    spec = dict(sites=["pre_attn", "post_attn", "post_block"], alpha=0.3)
     by_pass = Sweep(_engine(model), _spec(**spec), executor="patch_pass").run()
     by_requests = Sweep(_engine(model), _spec(**spec), executor="requests").run()
     assert (by_pass.executor, by_requests.executor) == ("patch_pass", "requests")
@@ -338,10 +339,10 @@ def test_the_pass_and_patched_requests_give_one_grid_at_every_site(
     assert by_pass.corrupt == pytest.approx(by_requests.corrupt, abs=1e-4)
     # The grid moves: a pass that patched nothing would be the corrupt value everywhere.
     assert np.abs(by_pass.grid - by_pass.corrupt).max() > 0.1
-    # One cell per site against transformers with the same half-way edit hooked in.
+    # One cell per site against transformers with the same partial edit hooked in.
     clean = hf_residuals(model, CLEAN, [(1, s) for s in spec["sites"]])
     for i, s in enumerate(spec["sites"]):
-        ref = hf_edited_logprobs(model, CORRUPT, {(1, s): _replace(5, clean[(1, s)][5], 0.5)})
+        ref = hf_edited_logprobs(model, CORRUPT, {(1, s): _replace(5, clean[(1, s)][5], 0.3)})
         want = float(ref[N - 1, ANSWER] - ref[N - 1, FOIL])
         assert by_pass.grid[i, 1, 5] == pytest.approx(want, abs=1e-4), s
 
