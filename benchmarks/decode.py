@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from throughput import copy_bandwidth, load_hf, sync
 
 from services.engine import EngineConfig, LLMEngine, SamplingParams
-from services.engine.distributed import launch_local
+from services.engine.local_replica import launch_local
 from services.engine.model.config import load_model_config
 from services.engine.model.layers import RotaryEmbedding
 from services.engine.model.tiny import make_tiny_checkpoint

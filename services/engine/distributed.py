@@ -22,25 +22,19 @@ Collectives: the model's all-reduces and the stage-to-stage hand-off use the dev
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
-import os
 import pickle
 import threading
-import traceback
-from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from services.common.net import free_port
 from services.engine.interventions.actions import Action
 from services.engine.parallel import ParallelContext, symmetric_all_reduce
 
 if TYPE_CHECKING:
     from services.engine.interventions.planner import StepInterventions
-    from services.engine.llm_engine import LLMEngine
     from services.engine.model.patch_pass import PassJob, PassResult
     from services.engine.model_runner import StepResult
     from services.engine.scheduler import SchedulerOutput
@@ -49,6 +43,17 @@ if TYPE_CHECKING:
 IDLE_TIMEOUT = timedelta(days=7)
 STOP = -1  # the length the driver broadcasts at the top of a step to shut the replica down
 NO_TOKEN = -1  # a row that sampled nothing this step (a prefill chunk), in a token tensor
+
+
+class ReplicaEngine(Protocol):
+    """What lock-step needs of an engine (an `LLMEngine`, which imports this module: named
+    by shape here so the two do not import each other)."""
+
+    interventions: Any
+    runner: Any
+    scheduler: Any
+
+    def step(self) -> Any: ...
 
 
 class ReplicaDivergedError(RuntimeError):
@@ -115,7 +120,7 @@ class StepSync:
         self._outbox: list[tuple[str, Any]] = []
         self.stopped = False
 
-    def attach(self, engine: LLMEngine) -> None:
+    def attach(self, engine: ReplicaEngine) -> None:
         """Wire an engine built with this sync: the driver mirrors registry changes; the
         others write no capture runs (the driver does) and resolve no patch sources."""
         iv = engine.interventions
@@ -142,7 +147,7 @@ class StepSync:
         return int(t.item())
 
     def exchange(
-        self, engine: LLMEngine, job: PassJob | None = None
+        self, engine: ReplicaEngine, job: PassJob | None = None
     ) -> tuple[list[tuple[str, Action]], PassJob | None]:
         """The top of a step (call under `lock`): the driver broadcasts its changes and the
         actions it drained; other ranks replay the changes. Returns the actions to apply,
@@ -183,7 +188,7 @@ class StepSync:
 
     def finish_step(
         self,
-        engine: LLMEngine,
+        engine: ReplicaEngine,
         sched: SchedulerOutput,
         result: StepResult,
         plan: StepInterventions | None,
@@ -199,7 +204,7 @@ class StepSync:
         return self._finish_by_objects(engine, result, plan)
 
     def _finish_by_objects(
-        self, engine: LLMEngine, result: StepResult, plan: StepInterventions | None
+        self, engine: ReplicaEngine, result: StepResult, plan: StepInterventions | None
     ) -> StepResult:
         ctx = self.ctx
         part: dict[str, Any] = {"digest": engine.interventions.state_digest()}
@@ -232,7 +237,7 @@ class StepSync:
                     plan.fired = plan.fired | p["fired"]
         return parts[self.result_rank]["result"]
 
-    def _finish_by_tensor(self, engine: LLMEngine, result: StepResult) -> StepResult:
+    def _finish_by_tensor(self, engine: ReplicaEngine, result: StepResult) -> StepResult:
         """One all-gather of a small tensor: each rank's steering-state digest and the
         tokens it sampled (a stage before the last sampled none). Every rank takes the last
         stage's tokens as its own; the last stage's TP ranks sample from the same gathered
@@ -286,86 +291,10 @@ def _wants_logprobs(sched: SchedulerOutput) -> bool:
     return False
 
 
-def run_worker(engine: LLMEngine) -> None:
+def run_worker(engine: ReplicaEngine) -> None:
     """A non-driver rank's life: step in lock-step with the driver until it stops."""
     try:
         while True:
             engine.step()
     except ReplicaStopped:
         pass
-
-
-def launch_local(
-    model: str,
-    tp_size: int,
-    pp_size: int,
-    driver_fn: Callable[[LLMEngine], Any],
-    *,
-    engine_config: Any = None,
-    device_type: str = "cpu",
-    timeout_s: float = 600.0,
-) -> Any:
-    """Run a `tp_size × pp_size` replica in local processes and return `driver_fn(engine)`
-    evaluated on its driver rank. `driver_fn` must be picklable (a module-level function);
-    the other ranks step in lock-step until it returns. For tests and single-host scripts:
-    clusters use the Ray actors in `services/engine/actors.py`."""
-    mp = torch.multiprocessing.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    results = mp.Queue()
-    procs = [
-        mp.Process(
-            target=_local_rank,
-            args=(rank, tp_size, pp_size, init_method, device_type, model, engine_config),
-            kwargs={"driver_fn": driver_fn if rank == 0 else None, "results": results},
-            daemon=True,
-        )
-        for rank in range(tp_size * pp_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        status, value = results.get(timeout=timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    if status != "ok":
-        raise RuntimeError(f"the replica's driver failed:\n{value}")
-    return pickle.loads(value)
-
-
-def _local_rank(
-    rank: int,
-    tp_size: int,
-    pp_size: int,
-    init_method: str,
-    device_type: str,
-    model: str,
-    engine_config: Any,
-    *,
-    driver_fn: Callable[[LLMEngine], Any] | None,
-    results: Any,
-) -> None:
-    from services.engine.llm_engine import LLMEngine
-
-    torch.set_num_threads(1)  # ranks share the host's cores
-    if os.environ.get("COXSWAIN_HANG_DUMP_S"):  # debugging a hung replica: dump every stack
-        faulthandler.dump_traceback_later(float(os.environ["COXSWAIN_HANG_DUMP_S"]), exit=True)
-    ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type)
-    try:
-        engine = LLMEngine(model, engine_config, ctx=ctx, sync=sync)
-        if driver_fn is None:
-            run_worker(engine)
-            return
-        try:
-            # Plain pickle bytes, not tensors: torch's queue would share a tensor's memory
-            # through a file descriptor this process serves, and it may have exited before
-            # the parent unpickles (FileNotFoundError on the parent's side).
-            results.put(("ok", pickle.dumps(driver_fn(engine))))
-        except BaseException:
-            results.put(("error", traceback.format_exc()))
-        finally:
-            sync.stop()
-    finally:
-        dist.destroy_process_group()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.engine import EngineConfig, LLMEngine
-from services.engine.distributed import launch_local
+from services.engine.local_replica import launch_local
 from tests import parallel_workload
 
 CONFIG = EngineConfig(

@@ -1,0 +1,92 @@
+"""A parallel replica in local processes, for tests and single-host scripts (clusters run
+their ranks as Ray actors: `services/engine/actors.py`)."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.common.net import free_port
+from services.engine.distributed import init_replica, run_worker
+from services.engine.llm_engine import LLMEngine
+
+
+def launch_local(
+    model: str,
+    tp_size: int,
+    pp_size: int,
+    driver_fn: Callable[[LLMEngine], Any],
+    *,
+    engine_config: Any = None,
+    device_type: str = "cpu",
+    timeout_s: float = 600.0,
+) -> Any:
+    """Run a `tp_size × pp_size` replica in local processes and return `driver_fn(engine)`
+    evaluated on its driver rank. `driver_fn` must be picklable (a module-level function);
+    the other ranks step in lock-step until it returns. For tests and single-host scripts:
+    clusters use the Ray actors in `services/engine/actors.py`."""
+    mp = torch.multiprocessing.get_context("spawn")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = mp.Queue()
+    procs = [
+        mp.Process(
+            target=_local_rank,
+            args=(rank, tp_size, pp_size, init_method, device_type, model, engine_config),
+            kwargs={"driver_fn": driver_fn if rank == 0 else None, "results": results},
+            daemon=True,
+        )
+        for rank in range(tp_size * pp_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        status, value = results.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    if status != "ok":
+        raise RuntimeError(f"the replica's driver failed:\n{value}")
+    return pickle.loads(value)
+
+
+def _local_rank(
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    device_type: str,
+    model: str,
+    engine_config: Any,
+    *,
+    driver_fn: Callable[[LLMEngine], Any] | None,
+    results: Any,
+) -> None:
+    torch.set_num_threads(1)  # ranks share the host's cores
+    if os.environ.get("COXSWAIN_HANG_DUMP_S"):  # debugging a hung replica: dump every stack
+        faulthandler.dump_traceback_later(float(os.environ["COXSWAIN_HANG_DUMP_S"]), exit=True)
+    ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type)
+    try:
+        engine = LLMEngine(model, engine_config, ctx=ctx, sync=sync)
+        if driver_fn is None:
+            run_worker(engine)
+            return
+        try:
+            # Plain pickle bytes, not tensors: torch's queue would share a tensor's memory
+            # through a file descriptor this process serves, and it may have exited before
+            # the parent unpickles (FileNotFoundError on the parent's side).
+            results.put(("ok", pickle.dumps(driver_fn(engine))))
+        except BaseException:
+            results.put(("error", traceback.format_exc()))
+        finally:
+            sync.stop()
+    finally:
+        dist.destroy_process_group()
