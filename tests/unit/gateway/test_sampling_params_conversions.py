@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 import pytest
+from pydantic import BaseModel
 
 from services.engine.sampling_params import SamplingParams
 from services.gateway import grpc_convert as convert
@@ -60,6 +61,86 @@ NOT_IN_OPENAI_BODIES = {
 }
 
 
+# Every field of every nested model (steering, gates, capture, read-outs, patches) away from
+# its default, over requests that together take each branch where a model's fields exclude one
+# another: a gate adds or attenuates, a patch source is a run, a vector or zeros, capture
+# positions are listed or named.
+NESTED: list[dict[str, object]] = [
+    {
+        "steering": {
+            "vectors": [
+                {"site": "post_attn", "layers": [1], "vector": "v", "scale": 2.0, "phase": "decode"}
+            ],
+            "gates": [
+                {
+                    "when": {
+                        "probe": "p",
+                        "site": "pre_attn",
+                        "layer": 1,
+                        "threshold": 0.5,
+                        "sharpness": 3.0,
+                    },
+                    "scope": "rest_of_request",
+                    "apply": {"attenuate": {"vector": "v", "scale": 0.5}},
+                },
+                {
+                    "when": {"probe": "q", "layer": 2, "threshold": -1.0, "sharpness": 2.0},
+                    "apply": {"add": {"vector": "w", "scale": 1.5}},
+                },
+            ],
+            "abort_when": [
+                {"probe": "p", "site": "post_attn", "layer": 1, "threshold": 1.5, "sharpness": 4.0}
+            ],
+        },
+        "capture": {
+            "sites": {"post_block": [1, 2], "pre_attn": "all"},
+            "positions": [1, 3],
+            "sink": "patch_store",
+            "run": "clean",
+            "dtype": "bfloat16",
+        },
+        "readouts": [{"probe": "p", "site": "pre_attn", "layer": 1, "name": "r"}],
+        "patch": [
+            {
+                "layer": 1,
+                "site": "post_attn",
+                "position": 2,
+                "alpha": 0.3,
+                "source": {"run": "clean", "position": 3},
+            },
+            {"layer": 2, "site": "pre_attn", "position": 1, "source": {"vector": "v"}},
+            {"layer": 1, "position": 4, "source": {"zeros": True}},
+        ],
+    },
+    {"capture": {"sites": {"post_attn": [2]}, "positions": "all_generated"}},
+]
+
+
+def _nested_fields_left_at_default(values: list[object]) -> list[str]:
+    """`Model.field` for each field of each pydantic model reachable from `values` that no
+    instance sets to a value other than its default and the wire's zero (0, "", [], None)."""
+    moved: dict[str, bool] = {}
+
+    def walk(value: object) -> None:
+        if isinstance(value, BaseModel):
+            for name, field in type(value).model_fields.items():
+                v = getattr(value, name)
+                key = f"{type(value).__name__}.{name}"
+                set_apart = bool(v) and (field.is_required() or v != field.default)
+                moved[key] = moved.get(key, False) or set_apart
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    for value in values:
+        walk(value)
+    return sorted(key for key, was_moved in moved.items() if not was_moved)
+
+
 def _every_field_set() -> SamplingParams:
     fields = [f.name for f in dataclasses.fields(SamplingParams)]
     missing = [name for name in fields if name not in NON_DEFAULT]
@@ -76,6 +157,17 @@ def test_every_field_round_trips_through_protobuf():
     back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(params))
     for f in dataclasses.fields(SamplingParams):
         assert getattr(back, f.name) == getattr(params, f.name), f.name
+
+
+def test_every_nested_field_round_trips_through_protobuf():
+    requests = [SamplingParams(**{**NON_DEFAULT, **nested}) for nested in NESTED]
+    values = [getattr(p, f.name) for p in requests for f in dataclasses.fields(p)]
+    left = _nested_fields_left_at_default(values)
+    assert not left, f"set these nested fields apart from their defaults in NESTED: {left}"
+    for params in requests:
+        back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(params))
+        for f in dataclasses.fields(SamplingParams):
+            assert getattr(back, f.name) == getattr(params, f.name), f.name
 
 
 def test_defaults_round_trip_through_protobuf():
