@@ -24,7 +24,7 @@ from typing import Any
 from services.common.auth import ApiKey, ApiKeys
 from services.patch_store.endpoint import ACTOR_SCHEME, PatchStoreEndpoint
 from services.patch_store.server import DEFAULT_MAX_MESSAGE_BYTES, PatchStoreServer, serve
-from services.patch_store.store import PatchStore
+from services.patch_store.store import DEFAULT_MAX_LEASE_S, PatchStore
 
 _ANY_HOST = ("0.0.0.0", "::", "")
 SERVICE_KEY_NAME = "patch-store-service"
@@ -33,7 +33,8 @@ SERVICE_KEY_NAME = "patch-store-service"
 class PatchStoreActor:
     """Owns a `PatchStore` of `budget_bytes` and a gRPC server for it on `host:port` (port 0:
     any free port; host "0.0.0.0" to take connections from other nodes). `address()` names
-    the node's IP when bound to all interfaces. `keys` are accepted beside the service key."""
+    the node's IP when bound to all interfaces. `keys` are accepted beside the service key.
+    `max_lease_s` and `max_lease_bytes_per_reader` bound leases (see `PatchStore`)."""
 
     def __init__(
         self,
@@ -43,11 +44,18 @@ class PatchStoreActor:
         host: str = "127.0.0.1",
         port: int = 0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_lease_s: float = DEFAULT_MAX_LEASE_S,
+        max_lease_bytes_per_reader: int | None = None,
     ) -> None:
         import ray
 
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self._store = PatchStore(budget_bytes, restarted=restarted)
+        self._store = PatchStore(
+            budget_bytes,
+            max_lease_s=max_lease_s,
+            max_lease_bytes_per_reader=max_lease_bytes_per_reader,
+            restarted=restarted,
+        )
         self._service_key = secrets.token_urlsafe(32)
         service = ApiKey(SERVICE_KEY_NAME, "admin", self._service_key)
         accepted = ApiKeys([*(keys.keys if keys is not None else []), service])
@@ -81,6 +89,8 @@ def start_patch_store_actor(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_lease_s: float = DEFAULT_MAX_LEASE_S,
+    max_lease_bytes_per_reader: int | None = None,
     name: str | None = None,
     num_cpus: float = 0,
     max_restarts: int = -1,
@@ -95,7 +105,15 @@ def start_patch_store_actor(
     actor_cls = ray.remote(PatchStoreActor)
     return actor_cls.options(
         name=name, num_cpus=num_cpus, max_restarts=max_restarts, **options
-    ).remote(budget_bytes, keys=keys, host=host, port=port, max_message_bytes=max_message_bytes)
+    ).remote(
+        budget_bytes,
+        keys=keys,
+        host=host,
+        port=port,
+        max_message_bytes=max_message_bytes,
+        max_lease_s=max_lease_s,
+        max_lease_bytes_per_reader=max_lease_bytes_per_reader,
+    )
 
 
 def actor_target(name: str, namespace: str) -> str:

@@ -5,7 +5,8 @@ The port hands out captured activations and prompt token ids and can overwrite o
 run, so it authenticates like every other Coxswain port: bearer API keys
 (`services.common.auth.ApiKeys`), read scope to read and lease, admin scope to write, drop
 and invalidate. Health and reflection stay open, as on the engine and controller ports. It
-binds loopback unless told otherwise.
+binds loopback unless told otherwise. A read-only key leases as a *reader* named by its key,
+so the store bounds the bytes each such key holds leased (`PatchStore.lease`).
 """
 
 from __future__ import annotations
@@ -58,8 +59,15 @@ class PatchStoreServicer(pb_grpc.PatchStoreServicer):
 
     @_rpc("read")
     def Lease(self, request, context):
-        expiry = self.store.lease(request.run_id, request.ttl_s, request.holder)
+        reader = self._read_only_key(context)
+        expiry = self.store.lease(request.run_id, request.ttl_s, request.holder, reader=reader)
         return pb.LeaseResponse(expires_in_s=max(0.0, expiry - self.store.clock()))
+
+    def _read_only_key(self, context) -> str | None:
+        """The name of the caller's key when it is read-only; None for an admin key, which may
+        drop every run anyway, and when auth is off (then anyone may)."""
+        key = self.keys.check(dict(context.invocation_metadata()).get("authorization"), "read")
+        return key.name if key is not None and key.scope == "read" else None
 
     @_rpc("read")
     def Release(self, request, context):

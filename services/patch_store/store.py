@@ -3,10 +3,17 @@
 A run maps (layer, site, position) to a row `[H]`. Per (layer, site) it keeps one
 `[num_positions, H]` CPU tensor in the dtype it was given, plus the run's positions list.
 Runs live under a byte budget with whole-run LRU eviction; a lease (a TTL hold per holder)
-protects a run from eviction, and when only leased runs are left the store keeps them over
-budget (a soft exceed, counted and logged) rather than un-patch an admitted request.
-Eviction runs when a put needs room and when a release may end a soft exceed; reads never
-evict, so a run just stored is there for its owner to lease even while over budget.
+protects a run from eviction. The budget is hard: a put that would only fit by evicting leased
+runs is refused (TooLargeError, RESOURCE_EXHAUSTED) rather than stored over budget or
+un-patching an admitted request, so the store, and the leased bytes in it, never exceed it.
+Eviction runs only when a put needs room; reads never evict.
+
+Leases are bounded, because a read-only API key may take them: a TTL is at most
+`max_lease_s` (longer is refused, not clamped: the holder would believe it holds the run
+longer than it does), and the runs a read-only key (a *reader*, named by the server) leases
+hold at most `max_lease_bytes_per_reader` bytes together, so no reader can pin the whole
+store and refuse everyone's captures. Callers that may write anyway (in-process, admin keys)
+are bounded by the budget alone.
 
 Every put gives the run a new version. `"<run>@<version>"` names one version (a *run
 reference*; a bare run id names the current one). A lease taken on a reference pins that
@@ -51,6 +58,7 @@ LayerSite = tuple[int, str]
 RowKey = tuple[int, str, int]  # (layer, site, position)
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DEFAULT_MAX_LEASE_S = 3600.0  # the longest lease; a holder that needs longer refreshes it
 _GONE_REMEMBERED = 4096  # gone run ids whose reason a not-found message can still name
 VERSION_SEPARATOR = "@"  # "<run>@<version>": one version of a run; never part of a run id
 
@@ -67,7 +75,8 @@ _COUNTERS = {
     "drops": "runs dropped by their owner",
     "invalidations": "invalidate_all calls (weights changed)",
     "invalidated_runs": "runs dropped by invalidate_all",
-    "budget_exceeded_events": "times the store went over budget with only leased runs to evict",
+    "puts_refused": "puts refused: they fit the budget only by evicting leased runs",
+    "leases_refused": "leases refused: the reader's leased runs would pass its byte share",
     "leases_granted": "leases taken",
     "leases_refreshed": "leases renewed by their holder",
     "leases_released": "leases released by their holder",
@@ -108,6 +117,12 @@ class Manifest:
         return tuple(sorted({site for _, site in self.keys}))
 
 
+@dataclass(frozen=True)
+class _Lease:
+    expiry: float  # store clock
+    reader: str | None  # the read-only API key that took it; None: a caller that may write
+
+
 @dataclass
 class _Run:
     run_id: str
@@ -120,7 +135,7 @@ class _Run:
     token_ids: tuple[int, ...]
     created_at: float
     bytes: int
-    leases: dict[str, float]  # holder -> expiry (store clock)
+    leases: dict[str, _Lease]  # by holder
     version: int
     pinned: set[str] = field(default_factory=set)  # holders who leased this very version
 
@@ -232,6 +247,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 class PatchStore:
     """An in-process, thread-safe store of runs under a byte budget, with leases.
 
+    `max_lease_s` bounds every lease's TTL; `max_lease_bytes_per_reader` (default: half the
+    budget) bounds the bytes of the runs one read-only key leases (see the module docstring).
     `clock` times leases (inject one to expire them in tests); `registry` receives the
     store's prometheus metrics (a fresh one per store when not given). `restarted`: this
     store replaces one that was lost (a restarted actor), so a run it does not know may have
@@ -241,13 +258,28 @@ class PatchStore:
         self,
         budget_bytes: int,
         *,
+        max_lease_s: float = DEFAULT_MAX_LEASE_S,
+        max_lease_bytes_per_reader: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
         restarted: bool = False,
     ) -> None:
         if not _is_int(budget_bytes) or budget_bytes <= 0:
             raise InvalidRequestError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        if not _is_number(max_lease_s) or not math.isfinite(max_lease_s) or max_lease_s <= 0:
+            raise InvalidRequestError(
+                f"max_lease_s must be a positive number of seconds, got {max_lease_s!r}"
+            )
+        if max_lease_bytes_per_reader is None:
+            max_lease_bytes_per_reader = budget_bytes // 2
+        if not _is_int(max_lease_bytes_per_reader) or max_lease_bytes_per_reader < 0:
+            raise InvalidRequestError(
+                "max_lease_bytes_per_reader must be a non-negative int (0: readers may not "
+                f"lease), got {max_lease_bytes_per_reader!r}"
+            )
         self.budget_bytes = int(budget_bytes)
+        self.max_lease_s = float(max_lease_s)
+        self.max_lease_bytes_per_reader = int(max_lease_bytes_per_reader)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.clock = clock
         self._lock = threading.Lock()
@@ -260,7 +292,6 @@ class PatchStore:
         self._last_version = self.first_version - 1
         self._gone: OrderedDict[str, str] = OrderedDict()  # run id -> why it is gone
         self._bytes = 0
-        self._over_budget = False
         self._n = dict.fromkeys(_COUNTERS, 0)
         self._counters = {
             name: Counter(f"coxswain_patch_store_{name}", doc, registry=self.registry)
@@ -271,10 +302,11 @@ class PatchStore:
             "bytes": ("bytes held", lambda: self._bytes),
             "budget_bytes": ("the byte budget", lambda: self.budget_bytes),
             "bytes_over_budget": (
-                "bytes held over budget (leased runs kept)",
+                "bytes held over budget: always 0, the budget is hard",
                 lambda: max(0, self._bytes - self.budget_bytes),
             ),
             "leased_runs": ("runs with an unexpired lease", self._count_leased_runs),
+            "leased_bytes": ("bytes of the runs with an unexpired lease", self._leased_bytes),
             "retired_versions": (
                 "overwritten versions kept readable for their lease holders",
                 lambda: len(self._retired),
@@ -297,7 +329,8 @@ class PatchStore:
         copy: bool = True,
     ) -> Manifest:
         """Store a run: `rows[(layer, site)]` is `[len(positions), H]`, row i at positions[i].
-        `copy=False` hands the (CPU, contiguous) tensors over instead of copying them."""
+        `copy=False` hands the (CPU, contiguous) tensors over instead of copying them.
+        TooLargeError when it fits the budget only by evicting leased runs."""
         hidden, dtype = check_run(run_id, rows, positions, token_ids)
         if not isinstance(model, str):
             raise InvalidRequestError(f"run {run_id!r}: model must be a string, got {model!r}")
@@ -321,9 +354,22 @@ class PatchStore:
                 raise RunExistsError(
                     f"run {run_id!r} is already stored; pass overwrite=True to replace it"
                 )
-            follow: dict[str, float] = {}
-            if old is not None:  # pinned leases keep the old version; the rest follow the id
+            self._prune_retired_locked(now)
+            if old is not None:
                 self._prune_leases_locked(old, now)
+            kept = self._leased_bytes_locked(now)
+            if old is not None and old.leases and not old.pinned:
+                kept -= old.bytes  # its leases follow the id to the new contents, not keep it
+            if kept + size > self.budget_bytes:
+                self._count("puts_refused")
+                raise TooLargeError(
+                    f"run {run_id!r} ({size} bytes) does not fit the patch store's budget of "
+                    f"{self.budget_bytes} bytes: leased runs hold {kept} bytes of it, and a "
+                    "leased run is never evicted; release leases (each ends within "
+                    f"{self.max_lease_s:g} s) or drop runs"
+                )
+            follow: dict[str, _Lease] = {}
+            if old is not None:  # pinned leases keep the old version; the rest follow the id
                 del self._runs[run_id]
                 follow = {h: e for h, e in old.leases.items() if h not in old.pinned}
                 old.leases = {h: e for h, e in old.leases.items() if h in old.pinned}
@@ -353,13 +399,22 @@ class PatchStore:
             self._enforce_budget_locked(now, keep=run_id)
             return self._manifest_locked(run, now)
 
-    def lease(self, run_id: str, ttl_s: float, holder: str) -> float:
-        """Hold a run against eviction for `ttl_s` seconds; the expiry in the store's clock.
-        `"<run>@<v>"` leases version v and pins it (it outlives an overwrite while leased);
-        a bare run id leases the current version and follows the id to an overwrite's new
-        contents. A holder leasing again refreshes its lease to now + ttl_s."""
+    def lease(self, run_id: str, ttl_s: float, holder: str, *, reader: str | None = None) -> float:
+        """Hold a run against eviction for `ttl_s` (at most `max_lease_s`) seconds; the expiry
+        in the store's clock. `"<run>@<v>"` leases version v and pins it (it outlives an
+        overwrite while leased); a bare run id leases the current version and follows the id
+        to an overwrite's new contents. A holder leasing again refreshes its lease to now +
+        ttl_s. `reader`: the read-only API key asking, as the server names it, whose leased
+        runs together may hold at most `max_lease_bytes_per_reader` bytes (TooLargeError past
+        that); None for a caller that may write anyway."""
         if not _is_number(ttl_s) or not math.isfinite(ttl_s) or ttl_s <= 0:
             raise InvalidRequestError(f"lease ttl_s must be a positive number, got {ttl_s!r}")
+        if ttl_s > self.max_lease_s:
+            raise InvalidRequestError(
+                f"lease ttl_s {ttl_s:g} is longer than the patch store's maximum of "
+                f"{self.max_lease_s:g} s (max_lease_s): lease for at most that, and lease "
+                "again before it ends to keep the run longer"
+            )
         if not isinstance(holder, str) or not holder:
             raise InvalidRequestError(f"lease holder must be a non-empty string, got {holder!r}")
         with self._lock:
@@ -367,8 +422,20 @@ class PatchStore:
             self._prune_retired_locked(now)
             run = self._get_locked(run_id)
             self._prune_leases_locked(run, now)
+            if reader is not None and all(ls.reader != reader for ls in run.leases.values()):
+                held = self._leased_bytes_locked(now, reader)
+                if held + run.bytes > self.max_lease_bytes_per_reader:
+                    self._count("leases_refused")
+                    raise TooLargeError(
+                        f"API key {reader!r} may not lease run {run_id!r} ({run.bytes} bytes): "
+                        f"the runs it leases hold {held} bytes, and a read-only key may lease "
+                        f"at most {self.max_lease_bytes_per_reader} of the patch store's "
+                        f"{self.budget_bytes} (max_lease_bytes_per_reader); release leases "
+                        "it no longer needs"
+                    )
             self._count("leases_refreshed" if holder in run.leases else "leases_granted")
-            run.leases[holder] = expiry = now + float(ttl_s)
+            expiry = now + float(ttl_s)
+            run.leases[holder] = _Lease(expiry, reader)
             if parse_ref(run_id)[1] is not None:
                 run.pinned.add(holder)
             else:
@@ -393,7 +460,6 @@ class PatchStore:
                     released = True
                     self._count("leases_released")
             self._prune_retired_locked(now)
-            self._enforce_budget_locked(now)
             return released
 
     def drop_run(self, run_id: str) -> int:
@@ -417,7 +483,6 @@ class PatchStore:
                 self._remove_locked(run, why)
             self._count("invalidations")
             self._count("invalidated_runs", len(runs))
-            self._over_budget = False
         log.info("patch store invalidated %d runs: %s", len(runs), why)
         return len(runs)
 
@@ -475,6 +540,7 @@ class PatchStore:
                 "budget_bytes": self.budget_bytes,
                 "bytes_over_budget": max(0, self._bytes - self.budget_bytes),
                 "leased_runs": len(leased),
+                "leased_bytes": sum(run.bytes for run in leased),
                 "leases_active": sum(len(run.leases) for run in leased),
                 **self._n,
             }
@@ -559,19 +625,16 @@ class PatchStore:
                 self._remove_locked(run, None)
 
     def _prune_leases_locked(self, run: _Run, now: float) -> None:
-        for holder, expiry in list(run.leases.items()):
-            if expiry <= now:
+        for holder, lease in list(run.leases.items()):
+            if lease.expiry <= now:
                 del run.leases[holder]
                 run.pinned.discard(holder)
                 self._count("leases_expired")
 
-    def _enforce_budget_locked(self, now: float, keep: str | None = None) -> None:
+    def _enforce_budget_locked(self, now: float, keep: str) -> None:
         """Evict unleased runs, least recently used first, until the store fits its budget;
-        `keep` (the run just stored) is never the one evicted."""
-        self._prune_retired_locked(now)
-        if self._bytes <= self.budget_bytes:
-            self._over_budget = False
-            return
+        `keep` (the run just stored) is never the one evicted. It always fits in the end:
+        `put_run` refused the run unless the leased runs leave room for it."""
         for run in list(self._runs.values()):
             if self._bytes <= self.budget_bytes:
                 break
@@ -581,18 +644,7 @@ class PatchStore:
             self._remove_locked(run, "evicted: least recently used, over the byte budget")
             self._count("evictions")
             self._count("evicted_bytes", run.bytes)
-        if self._bytes <= self.budget_bytes:
-            self._over_budget = False
-        elif not self._over_budget:  # count entering the state, not every call while in it
-            self._over_budget = True
-            self._count("budget_exceeded_events")
-            log.warning(
-                "patch store holds %d bytes, over its budget of %d: the %d runs left are "
-                "leased (or just used), so they stay until a lease ends",
-                self._bytes,
-                self.budget_bytes,
-                len(self._runs),
-            )
+        assert self._bytes <= self.budget_bytes, "put_run let leased runs pass the budget"
 
     def _manifest_locked(self, run: _Run, now: float) -> Manifest:
         self._prune_leases_locked(run, now)
@@ -606,7 +658,7 @@ class PatchStore:
             token_ids=run.token_ids,
             created_at=run.created_at,
             bytes=run.bytes,
-            leased_until=max(run.leases.values()) if run.leases else None,
+            leased_until=max(ls.expiry for ls in run.leases.values()) if run.leases else None,
             holders=tuple(sorted(run.leases)),
             version=run.version,
         )
@@ -615,7 +667,23 @@ class PatchStore:
         with self._lock:
             now = self.clock()
             runs = [*self._runs.values(), *self._retired.values()]
-            return sum(any(e > now for e in run.leases.values()) for run in runs)
+            return sum(any(ls.expiry > now for ls in run.leases.values()) for run in runs)
+
+    def _leased_bytes(self) -> int:
+        with self._lock:
+            return self._leased_bytes_locked(self.clock())
+
+    def _leased_bytes_locked(self, now: float, reader: str | None = None) -> int:
+        """Bytes of the runs (versions) with an unexpired lease; with `reader`: with one of
+        that reader's. A run leased by several holders counts once."""
+        return sum(
+            run.bytes
+            for run in [*self._runs.values(), *self._retired.values()]
+            if any(
+                ls.expiry > now and (reader is None or ls.reader == reader)
+                for ls in run.leases.values()
+            )
+        )
 
 
 def _version_now() -> int:

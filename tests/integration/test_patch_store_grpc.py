@@ -4,7 +4,6 @@ following a store that moved, health, and the CLI server."""
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -97,7 +96,8 @@ def test_put_then_get_is_bit_exact(client, dtype):
         for layer in (0, 2)
         for site in ("pre_attn", "post_block")
     }
-    rows[(0, "pre_attn")][0, :4] = torch.tensor([-0.0, math.inf, -math.inf, 1e-40])
+    big = torch.finfo(dtype).max  # inf is refused: a patch-source run must be finite
+    rows[(0, "pre_attn")][0, :4] = torch.tensor([-0.0, big, -big, 1e-40], dtype=dtype)
     positions = [10, 11, 12, 13, 14]
     m = client.put_run(
         f"clean-{dtype}", rows, positions, model="tiny@1", token_ids=list(range(15)), overwrite=True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, TooLargeError
 from services.engine import SamplingParams
 from services.engine.interventions.sites import SITES
 from tests.integration.test_steering import _engine, _prompt, _run, _vec
@@ -254,7 +254,8 @@ def test_runs_read_by_patches_are_leased_once_per_half_ttl(path, clean_acts):
     assert manifest.holders == (engine.interventions.lease_holder,)
     stats = store.stats()
     assert stats["leases_granted"] == 1 and stats["leases_refreshed"] == 0  # 3 requests, 1 lease
-    # a leased run survives memory pressure that would evict it otherwise
-    store.put_run("big", {(0, "post_block"): torch.zeros(4090, 64)}, list(range(4090)))
-    assert {m.run_id for m in store.manifests()} == {"clean", "big"}
-    assert store.stats()["budget_exceeded_events"] == 1
+    # a leased run is never evicted: a put that fits only by evicting it is refused
+    with pytest.raises(TooLargeError, match="leased runs hold"):
+        store.put_run("big", {(0, "post_block"): torch.zeros(4090, 64)}, list(range(4090)))
+    assert {m.run_id for m in store.manifests()} == {"clean"}
+    assert store.stats()["puts_refused"] == 1

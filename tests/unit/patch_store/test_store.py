@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import pytest
@@ -300,25 +299,45 @@ def test_lease_refuses_bad_ttl_or_holder(ttl, holder):
         store.lease("missing", 5, "h")
 
 
-def test_only_leased_runs_left_soft_exceeds_the_budget_counts_it_and_warns(caplog):
+def test_a_put_that_fits_only_by_evicting_leased_runs_is_refused_never_stored_over_budget():
     clock = Clock()
     store = store_for(2, clock)
     for name in "ab":
         store.put_run(name, rows(), POSITIONS)
         store.lease(name, 60, "engine-0")
-    with caplog.at_level(logging.WARNING, logger="services.patch_store.store"):
-        store.put_run("c", rows(), POSITIONS)  # nothing evictable: keep all three
-        store.get_rows("c", [(0, "post_block", 0)])  # still over: not a second event
-    assert held(store) == ["a", "b", "c"]
+    with pytest.raises(TooLargeError) as e:
+        store.put_run("c", rows(), POSITIONS)  # nothing evictable
+    assert str(e.value) == (
+        f"run 'c' ({RUN_BYTES} bytes) does not fit the patch store's budget of {2 * RUN_BYTES} "
+        f"bytes: leased runs hold {2 * RUN_BYTES} bytes of it, and a leased run is never "
+        "evicted; release leases (each ends within 3600 s) or drop runs"
+    )
+    assert grpc_status(e.value).name == "RESOURCE_EXHAUSTED" and http_status(e.value) == 413
+    assert held(store) == ["a", "b"]
     s = store.stats()
-    assert s["bytes_over_budget"] == RUN_BYTES and s["budget_exceeded_events"] == 1
-    assert s["evictions"] == 0
-    assert any("over its budget" in r.getMessage() for r in caplog.records)
-    store.release("a", "engine-0")  # a is evictable again: the store gets back under budget
+    assert s["bytes_over_budget"] == 0 and s["puts_refused"] == 1 and s["puts"] == 2
+    assert s["evictions"] == 0 and s["leased_bytes"] == 2 * RUN_BYTES
+    store.release("a", "engine-0")  # a is evictable again
+    store.put_run("c", rows(), POSITIONS)
     assert held(store) == ["b", "c"] and store.stats()["bytes_over_budget"] == 0
     clock.now += 61
     store.put_run("d", rows(), POSITIONS)
     assert held(store) == ["c", "d"]  # b's lease expired: evicted like any other run
+
+
+def test_overwriting_a_leased_run_counts_what_the_put_leaves_leased():
+    store = store_for(2)
+    store.put_run("a", rows(), POSITIONS)
+    store.put_run("b", rows(), POSITIONS)
+    store.lease("a", 60, "engine-0")  # follows the id: the new contents take a's place
+    store.lease("b", 60, "engine-0")
+    store.put_run("a", rows(1), POSITIONS, overwrite=True)
+    assert held(store) == ["b", "a"]
+    v = store.manifests(["a"])[0].ref
+    store.lease(v, 60, "sweep")  # pinned: an overwrite keeps this version too
+    with pytest.raises(TooLargeError, match="leased runs hold"):
+        store.put_run("a", rows(2), POSITIONS, overwrite=True)
+    assert store.get_rows("a", [(0, "post_block", 0)]).equal(rows(1)[(0, "post_block")][:1])
 
 
 def test_drop_run_ignores_leases():
@@ -386,26 +405,30 @@ def test_stats_and_prometheus_counters_agree():
         store.get_rows("a", [])
     store.lease("b", 5, "h")
     store.lease("c", 5, "h")
-    store.put_run("d", rows(), POSITIONS)  # both leased: soft exceed
-    store.drop_run("d")
-    store.invalidate_all()
-    s = store.stats()
+    with pytest.raises(TooLargeError):
+        store.put_run("d", rows(), POSITIONS)  # both leased: refused
 
     def metric(name: str) -> float | None:
         return registry.get_sample_value(f"coxswain_patch_store_{name}")
 
-    assert s["puts"] == 4 and metric("puts_total") == 4
+    assert store.stats()["leased_bytes"] == 2 * RUN_BYTES == metric("leased_bytes")
+    store.drop_run("c")
+    store.invalidate_all()
+    s = store.stats()
+
+    assert s["puts"] == 3 and metric("puts_total") == 3
     assert (s["gets"], s["hits"], s["misses"], s["rows_served"]) == (2, 1, 1, 2)
     assert metric("hits_total") == 1 and metric("misses_total") == 1
     assert s["evictions"] == 1 and metric("evictions_total") == 1
     assert metric("evicted_bytes_total") == RUN_BYTES
-    assert s["budget_exceeded_events"] == 1 and metric("budget_exceeded_events_total") == 1
+    assert s["puts_refused"] == 1 and metric("puts_refused_total") == 1
     assert s["drops"] == 1 and metric("drops_total") == 1
     assert s["invalidations"] == 1 and metric("invalidations_total") == 1
-    assert metric("invalidated_runs_total") == 2
+    assert metric("invalidated_runs_total") == 1
     assert s["budget_bytes"] == 2 * RUN_BYTES and metric("budget_bytes") == 2 * RUN_BYTES
     assert s["bytes"] == 0 and metric("bytes") == 0 and metric("runs") == 0
     assert metric("bytes_over_budget") == 0 and metric("leased_runs") == 0
+    assert s["leased_bytes"] == 0 and metric("leased_bytes") == 0
     # Each store has its own registry: a second store registers the same names without clashing.
     other = PatchStore(RUN_BYTES)
     other.put_run("x", rows(), POSITIONS)
