@@ -87,6 +87,27 @@ def test_greedy_chunked_prefill(arch_case):
     assert engine.stats()["num_steps"] > sum(PROMPT_LENS) // 7  # prompts really were chunked
 
 
+def test_prompt_logprobs_under_chunked_prefill_equal_the_unchunked_ones(tiny_checkpoint):
+    """Each chunk scores its own prompt positions: chunked, every position's top-5 and the
+    actual token's logprob come out as from one whole-prompt prefill."""
+    path = tiny_checkpoint("llama")
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5)
+    whole = LLM(path, device="cpu", dtype="float32").generate(prompts, params)
+    chunked_llm = LLM(path, device="cpu", dtype="float32", max_num_batched_tokens=7)
+    chunked = chunked_llm.generate(prompts, params)
+    assert sum(PROMPT_LENS) == 105  # so at most 7 a step, the prompts take 15 steps
+    assert chunked_llm.engine.stats()["num_steps"] >= 15
+    for prompt, got, want in zip(prompts, chunked, whole, strict=True):
+        assert got.prompt_logprobs[0] is None
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            g, w = got.prompt_logprobs[pos], want.prompt_logprobs[pos]
+            assert g.keys() == w.keys() and prompt[pos] in g, pos
+            for t in w:
+                assert g[t] == pytest.approx(w[t], abs=1e-4), (pos, t)
+
+
 def test_greedy_under_preemption(arch_case):
     _, path, prompts, expected = arch_case
     # 12 blocks of 8 tokens = 96 slots; the four requests need 50+32 tokens at most each.
