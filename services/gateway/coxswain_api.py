@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.engine.interventions.sites import tl_hook
+from services.engine.interventions.spec import RunRef
 from services.engine.sweep import SweepSpec
 from services.gateway.openai_api import PackedTensor, check_texts
 
@@ -85,7 +86,9 @@ class SweepRequest(_Body):
     clean_prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="The clean prompt (captured inline); or give source_run."
     )
-    source_run: str | None = Field(None, description="A stored clean run in the patch store.")
+    source_run: RunRef | None = Field(
+        None, description="A stored clean run in the patch store (`<run>` or `<run>@<version>`)."
+    )
     layers: list[Annotated[int, Field(ge=0)]] | Literal["all"] = "all"
     positions: list[Annotated[int, Field(ge=0)] | str] | Literal["all_prompt"] = Field(
         "all_prompt", description="Corrupt-prompt positions, or text spans of it."
@@ -141,3 +144,30 @@ class State(BaseModel):
     """A snapshot whose keys follow the engine's (see the route's description)."""
 
     model_config = ConfigDict(extra="allow")
+
+
+class ClusterView(BaseModel):
+    """A cluster gateway's view of admin state: one engine replica's, and the cluster
+    store's. Every key is always there: while the store does not answer, `version` and
+    `replicas` are null and `store_error` says why (the replica's view still shows)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    replica: str | None = Field(None, description="The engine replica that answered.")
+    applied_version: int | None = Field(None, description="The version it has applied.")
+    epoch: str | None = None
+    rejected: dict[str, str] = Field({}, description="Entries it refused, with the reason.")
+    last_error: str | None = Field(None, description="Its last reconciliation failure.")
+    version: int | None = Field(
+        None, description="The cluster store's recorded version (null: see store_error)."
+    )
+    replicas: dict[str, Any] | None = Field(
+        None, description="Every live replica's report (null: see store_error)."
+    )
+    store_error: str | None = Field(None, description="Why the cluster store did not answer.")
+
+
+class SteeringState(State):
+    """`State` of the steering routes, with a cluster gateway's admin view."""
+
+    cluster: ClusterView | None = Field(None, description="A cluster's gateway only.")

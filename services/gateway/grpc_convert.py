@@ -31,10 +31,12 @@ from services.engine.interventions.spec import (
     Readout,
     SteeringSpec,
     SteerVector,
+    check_run_ref,
 )
 from services.engine.outputs import CompletionDelta, RequestDelta
 from services.engine.sampling_params import SamplingParams
 from services.engine.sweep import Cell, SweepResult, SweepSpec
+from services.gateway.openai_api import check_chat_role
 from services.patch_store.convert import tensor_from_proto, tensor_to_proto
 from services.proto.coxswain.v1 import engine_pb2 as pb
 from services.proto.coxswain.v1 import steering_pb2 as steering_pb
@@ -114,7 +116,10 @@ def prompt_from_proto(
     if kind == "token_ids":
         return list(msg.token_ids.ids)
     if kind == "chat":
-        return encode_chat([{"role": m.role, "content": m.content} for m in msg.chat.messages])
+        messages = msg.chat.messages
+        for i, m in enumerate(messages):
+            check_chat_role(m.role, f"{what}.chat.messages[{i}].role")
+        return encode_chat([{"role": m.role, "content": m.content} for m in messages])
     raise InvalidRequestError(f"{what} is missing: give text, token_ids or chat")
 
 
@@ -596,7 +601,7 @@ def sweep_spec_from_proto(msg: sweep_pb.SweepRequest, encode_chat: EncodeChat) -
         clean_prompt=prompt_from_proto(msg.clean_prompt, encode_chat, "clean_prompt")
         if clean == "clean_prompt"
         else None,
-        source_run=msg.source_run if clean == "source_run" else None,
+        source_run=check_run_ref(msg.source_run) if clean == "source_run" else None,
         layers=list(msg.layers) or "all",
         positions=[_position_from_proto(p, i) for i, p in enumerate(msg.positions)] or "all_prompt",
         sites=list(msg.sites) or ["post_block"],

@@ -39,6 +39,7 @@ from services.common.errors import (
     grpc_abort_args,
 )
 from services.common.grpc_serving import check_field_lengths
+from services.engine.interventions.spec import parse_global_steering
 from services.engine.outputs import CompletionDelta, RequestDelta
 from services.engine.sampling_params import SamplingParams
 from services.engine.service import EngineService
@@ -216,11 +217,8 @@ class SteeringServicer(steering_grpc.SteeringServicer):
 
     @_rpc
     async def SetGlobal(self, request: pb.SteeringSpec, context: grpc.aio.ServicerContext):
-        if not (request.vectors or request.gates or request.abort_when):
-            # An empty spec would clear global steering: say so rather than guess.
-            raise InvalidRequestError("SetGlobal got an empty spec; call ClearGlobal to clear")
         spec = await asyncio.to_thread(convert.steering_from_proto, request)
-        state = await self.service.set_global_steering(spec)
+        state = await self.service.set_global_steering(parse_global_steering(spec))
         return convert.json_to_proto(state)
 
     @_rpc

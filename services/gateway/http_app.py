@@ -23,12 +23,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.common.auth import ApiKeys
 from services.common.errors import NotFoundError
+from services.engine.interventions.spec import parse_global_steering
 from services.engine.service import EngineService
 from services.gateway.coxswain_api import (
     ErrorBody,
     Health,
     PatchSourceDropped,
     State,
+    SteeringState,
     SweepRequest,
     VectorData,
     VectorInfo,
@@ -38,6 +40,7 @@ from services.gateway.coxswain_api import (
 )
 from services.gateway.dashboard import ASSETS, dashboard_router
 from services.gateway.http_auth import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     AuthBeforeBody,
     require,
@@ -76,7 +79,8 @@ Authenticate with `Authorization: Bearer <key>`. Read keys may generate and read
 admin keys may also change global steering, the vector registry and the patch store.
 `/health`, the dashboard page and this document need no key.
 Errors are `{"error": {"message", "type", "code"}}` with a 4xx status for bad input; a
-body over the server's size limit is a 413.
+body over the server's size limit is a 413, and one not all sent within the server's body
+timeout a 408 (the connection is closed).
 """
 
 TAGS = [
@@ -94,6 +98,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "Missing or unknown API key"),
         (403, "API key lacks the admin scope"),
         (404, "Not found"),
+        (408, "The request body did not all arrive within the server's body timeout"),
         (413, "Request body or prompt over the configured limit"),
     )
 }
@@ -116,10 +121,13 @@ def build_app(
     patch_store: Any = None,
     title: str = "Coxswain",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The HTTP app serving `backend`, authenticating with `keys`. `patch_store`, when given,
     is the store patch-source deletion acts on (default: the backend's) and is reported in
-    `/metrics`. `max_body_bytes`: the largest request body accepted (413 beyond)."""
+    `/metrics`. `max_body_bytes`: the largest request body accepted (413 beyond);
+    `body_timeout_s`: how long after its headers a request's body may take to arrive (408
+    beyond, and the connection closed)."""
     app = FastAPI(
         title=title,
         version="0.1.0",
@@ -129,7 +137,11 @@ def build_app(
     )
     install_error_handlers(app)
     app.add_middleware(
-        AuthBeforeBody, keys=keys, public=public_paths(app), max_body_bytes=max_body_bytes
+        AuthBeforeBody,
+        keys=keys,
+        public=public_paths(app),
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
     )
     registry = CollectorRegistry()
     app.add_middleware(RequestMetrics, registry=registry)  # outermost: counts 401s and 413s
@@ -221,20 +233,21 @@ def build_app(
 
     @steering.post(
         "/v1/steering/set",
-        response_model=State,
+        response_model=SteeringState,
         dependencies=[admin],
         summary="Set engine-wide steering",
         description="Steer every request with these vectors (each `phase`: prefill, decode or "
         "both) from the next engine step on, replacing any global steering. Checked now; "
-        "returns the steering state, whose `global_spec` is this spec.",
+        "returns the steering state, whose `global_spec` is this spec. An empty spec is a "
+        "400: clear with `/v1/steering/clear`.",
     )
     async def set_steering(body: StrictSteering) -> dict:
         check_texts(body.model_dump())  # as every other body is: no lone surrogates
-        return await backend.set_global_steering(body)
+        return await backend.set_global_steering(parse_global_steering(body))
 
     @steering.post(
         "/v1/steering/clear",
-        response_model=State,
+        response_model=SteeringState,
         dependencies=[admin],
         summary="Clear engine-wide steering",
     )
@@ -243,7 +256,7 @@ def build_app(
 
     @steering.get(
         "/v1/steering",
-        response_model=State,
+        response_model=SteeringState,
         dependencies=[read],
         summary="Steering state",
         description="Action-queue counters per source, row-pool use, the global and dynamic "

@@ -1,16 +1,21 @@
-"""Authentication and the request-body limit, enforced before a body is read.
+"""Authentication and the request-body limits, enforced before a body is read.
 
 `AuthBeforeBody` is a pure ASGI middleware: a request to anything but a public route
 needs a known bearer key before a byte of its body is read (FastAPI parses a body before
 it resolves a route's dependencies, so a dependency alone would let an anonymous client
-make the gateway buffer and parse whatever it sends), and a body may not exceed
+make the gateway buffer and parse whatever it sends), a body may not exceed
 `max_body_bytes` (a declared `Content-Length` is refused up front, a streamed body as soon
-as it passes the limit). The `require` dependency then checks each route's scope (read or
-admin) and is what the OpenAPI document shows as the one security scheme.
+as it passes the limit), and the whole body must arrive within `body_timeout_s` of the
+request's headers: a client that declares 1,000 bytes, sends 10 and stalls gets a 408 and
+its connection closed, rather than holding a connection and a request slot for as long as
+it likes (a thousand such sockets used to stall every request of the gateway). The
+`require` dependency then checks each route's scope (read or admin) and is what the
+OpenAPI document shows as the one security scheme.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection
 from typing import Annotated, Any
 
@@ -29,6 +34,9 @@ from services.gateway.http_errors import error_body, error_response
 # Bodies are JSON: prompts, vectors (a packed [num_layers, H] float32 vector of a large
 # model is a few MB), patch entries. Larger is configurable (`max_body_bytes`).
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# 16 MiB in 10 s is 1.6 MB/s: any client that means to send its body does so well within
+# it. Longer is configurable (`body_timeout_s`) for clients on slow links.
+DEFAULT_BODY_TIMEOUT_S = 10.0
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -52,8 +60,9 @@ def require(keys: ApiKeys, scope: KeyScope) -> Any:
 
 class AuthBeforeBody:
     """ASGI middleware: 401 for a path not in `public` (exact paths) without a known key,
-    413 for a body over `max_body_bytes`, both before the app reads the body. A route is
-    authenticated unless listed, so one added later is never public by accident."""
+    413 for a body over `max_body_bytes`, both before the app reads the body, and 408 (the
+    connection closed) for a body not all there `body_timeout_s` after the request began.
+    A route is authenticated unless listed, so one added later is never public by accident."""
 
     def __init__(
         self,
@@ -61,10 +70,14 @@ class AuthBeforeBody:
         keys: ApiKeys,
         public: Collection[str],
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ):
         if max_body_bytes < 0:
             raise InvalidRequestError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
+        if not body_timeout_s > 0:
+            raise InvalidRequestError(f"body_timeout_s must be > 0, got {body_timeout_s}")
         self.app, self.keys, self.public, self.max_body_bytes = app, keys, public, max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -81,13 +94,27 @@ class AuthBeforeBody:
             await error_response(exc)(scope, receive, send)
             return
         received = 0
+        body_complete = False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         started = False
 
         async def counted_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_complete
+            if body_complete:  # what follows the body is the disconnect, whenever it comes
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise HTTPException(
+                    408,
+                    f"the request body did not all arrive within {self.body_timeout_s:g} s "
+                    f"({received} bytes came): this server's limit (body_timeout_s)",
+                    headers={"Connection": "close"},  # what else it sends is never read
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_complete = not message.get("more_body", False)
                 if received > self.max_body_bytes:  # a streamed body: stop reading it here
                     raise HTTPException(413, str(self._too_large("the request body is over")))
             return message
@@ -100,10 +127,11 @@ class AuthBeforeBody:
         try:
             await self.app(scope, counted_receive, tracked_send)
         except HTTPException as exc:  # raised past the app's handlers (a route not FastAPI's)
-            if started or exc.status_code != 413:
+            if started or exc.status_code not in (408, 413):
                 raise
-            body = error_body(413, str(exc.detail), TooLargeError.__name__)
-            await JSONResponse(body, 413)(scope, receive, send)
+            code = TooLargeError.__name__ if exc.status_code == 413 else None
+            body = error_body(exc.status_code, str(exc.detail), code)
+            await JSONResponse(body, exc.status_code, exc.headers)(scope, receive, send)
 
     def _too_large(self, what: str) -> TooLargeError:
         return TooLargeError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, WrapValidator, model_validator
 
@@ -163,8 +163,22 @@ class TextPart(_Body):
     text: str
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+def check_chat_role(role: object, where: str) -> str:
+    """`role` if a chat message may have it (`ChatRole`, OpenAI's roles), else
+    InvalidRequestError naming `where`. gRPC chats are checked with it, HTTP ones by the
+    same `ChatRole` in `ChatMessage`: both fronts take exactly the same roles."""
+    if role not in get_args(ChatRole):
+        raise InvalidRequestError(
+            f"{where} is {str(role)[:40]!r}; a chat role is one of {', '.join(get_args(ChatRole))}"
+        )
+    return role  # type: ignore[return-value]
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: str | list[TextPart]
     name: str | None = None
 

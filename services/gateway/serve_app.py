@@ -50,7 +50,7 @@ from services.common.errors import (
     unwrap_ray_error,
 )
 from services.gateway.engine_links import EngineLinks
-from services.gateway.http_auth import DEFAULT_MAX_BODY_BYTES
+from services.gateway.http_auth import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from services.gateway.process_backend import ProcessBackend, listening_socket
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,12 @@ class AppArgs(BaseModel):
         DEFAULT_MAX_BODY_BYTES,
         ge=0,
         description="largest HTTP request body (413 beyond, before reading)",
+    )
+    body_timeout_s: float = Field(
+        DEFAULT_BODY_TIMEOUT_S,
+        gt=0,
+        description="how long after its headers an HTTP request's body may take to arrive "
+        "(408 beyond, and the connection closed)",
     )
     http_port: int | None = Field(
         None,
@@ -514,8 +520,9 @@ class RemoteEngine:
 
     def _cluster(self, replica: dict, reports: dict | None = None) -> dict:
         """One replica's admin view (`replica`, `applied_version`, `rejected`, `last_error`)
-        plus the cluster's: the recorded `version` and every live replica's report."""
-        view = dict(replica)
+        plus the cluster's: the recorded `version` and every live replica's report, both
+        null with a `store_error` saying why while the cluster store does not answer."""
+        view = {**replica, "version": None, "replicas": None}
         try:
             view["version"] = self.store.head()[1]
             view["replicas"] = self.store.reports() if reports is None else reports
@@ -567,9 +574,12 @@ class RemoteEngine:
         return self._sync(self.handle.stats.remote())
 
     def health(self) -> dict:
-        """One replica's health, and how many replicas the gateway streams from directly."""
-        links = len(self.links) if self.links is not None else 0
-        return {**self._call(_method("health")), "engine_links": links}
+        """One replica's health, and how many replicas the gateway streams from directly.
+        Asked over a direct link where there is one: through the handle it would wait for
+        one of the replica's `max_ongoing_requests` slots, behind sweeps and state calls."""
+        link = self.links.pick() if self.links is not None else None
+        replica = link.health() if link is not None else self._call(_method("health"))
+        return {**replica, "engine_links": len(self.links) if self.links is not None else 0}
 
     async def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
@@ -598,7 +608,13 @@ def gateway_http_app(a: AppArgs, app_name: str) -> tuple[Any, Any, ApiKeys]:
         from services.patch_store.client import PatchStoreClient
 
         store = PatchStoreClient(address)
-    app = build_http_app(backend, keys, patch_store=store, max_body_bytes=a.max_body_bytes)
+    app = build_http_app(
+        backend,
+        keys,
+        patch_store=store,
+        max_body_bytes=a.max_body_bytes,
+        body_timeout_s=a.body_timeout_s,
+    )
     return app, backend, keys
 
 

@@ -2,8 +2,13 @@
 
 One schema for Python, HTTP and gRPC: pydantic models that a JSON body validates into.
 Structure is checked here (names, enums, signs); what depends on the model or on the
-engine's vector registry (layer ranges, hidden size, vector names) is checked when the
-engine resolves the spec (`resolve.py`).
+engine's vector registry (layer ranges, hidden size, whether a vector name is registered)
+is checked when the engine resolves the spec (`resolve.py`).
+
+Identifiers a request gives (vector names, run ids, read-out names) follow one rule,
+`check_identifier`: they are stored, quoted back in errors, keyed on in read-outs and the
+dashboard, and sent in gRPC metadata, so a newline, an emoji or a 10,000-character name is
+refused here, by whichever front the request came through, before any work is done.
 
 A vector value is a JSON float list (or a list of per-layer lists), a packed tensor
 `{"dtype", "shape", "data"}` (see `services/common/wire.py`), or the name of a vector in
@@ -13,6 +18,8 @@ the engine's registry.
 from __future__ import annotations
 
 import contextlib
+import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import torch
@@ -20,6 +27,56 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from services.common.errors import InvalidRequestError
 from services.engine.interventions.sites import parse_site, tl_hook
+from services.patch_store.store import VERSION_SEPARATOR, parse_ref
+
+_IDENTIFIER = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+IDENTIFIER_RULE = "1-128 letters, digits or _ . : / -"
+
+
+def check_identifier(value: object, what: str) -> str:
+    """`value` if it can be an identifier (`IDENTIFIER_RULE`), else InvalidRequestError
+    saying why, with `what` (e.g. "vector name") naming the field."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            f"invalid {what}: it must be a string, got {type(value).__name__}"
+        )
+    if not _IDENTIFIER.fullmatch(value):
+        shown = value if len(value) <= 40 else f"{value[:40]}... ({len(value)} characters)"
+        raise InvalidRequestError(f"invalid {what} {shown!r}: use {IDENTIFIER_RULE}")
+    return value
+
+
+def check_run_id(value: object) -> str:
+    """`value` if a run may be stored under it: an identifier, which never holds the patch
+    store's version separator (`"<run>@<version>"` names one version of a run)."""
+    if isinstance(value, str) and VERSION_SEPARATOR in value:
+        raise InvalidRequestError(
+            f"invalid run id {value[:40]!r}: {VERSION_SEPARATOR!r} names a version of a run "
+            f"('<run>{VERSION_SEPARATOR}<version>'): choose an id without it"
+        )
+    return check_identifier(value, "run id")
+
+
+def check_run_ref(value: object) -> str:
+    """`value` if it can name a stored run to read: a run id, or one version of it
+    (`"<run>@<version>"`, as the patch store parses it)."""
+    run_id, _ = parse_ref(value)
+    check_identifier(run_id, "run id")
+    return value  # type: ignore[return-value]
+
+
+def _as_value_error(check: Callable[[Any], Any]) -> BeforeValidator:
+    """A field validator running `check`, whose InvalidRequestError pydantic reports as the
+    field's error (with its location), like every other field's."""
+
+    def validate(value: Any) -> Any:
+        try:
+            check(value)
+        except InvalidRequestError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    return BeforeValidator(validate)
 
 
 def _site(value: Any) -> str:
@@ -27,6 +84,11 @@ def _site(value: Any) -> str:
         return parse_site(value)
     except InvalidRequestError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _vector_name(value: Any) -> None:
+    if isinstance(value, str):  # a vector given by name
+        check_identifier(value, "vector name")
 
 
 def _hook_layer(data: Any, field: str, many: bool) -> Any:
@@ -45,8 +107,14 @@ def _hook_layer(data: Any, field: str, many: bool) -> Any:
 
 
 Site = Annotated[str, BeforeValidator(_site)]
+RunId = Annotated[str, _as_value_error(check_run_id)]
+RunRef = Annotated[str, _as_value_error(check_run_ref)]
+ReadoutName = Annotated[str, _as_value_error(lambda v: check_identifier(v, "read-out name"))]
 # In Python a tensor is accepted too, so callers holding activations skip a list round trip.
-VectorValue = list[float] | list[list[float]] | dict[str, Any] | str | torch.Tensor
+VectorValue = Annotated[
+    list[float] | list[list[float]] | dict[str, Any] | str | torch.Tensor,
+    _as_value_error(_vector_name),
+]
 Phase = Literal["prefill", "decode", "both"]
 
 
@@ -153,7 +221,7 @@ class Readout(_Strict):
     probe: VectorValue
     site: Site = "post_block"
     layer: Annotated[int, Field(ge=0)]
-    name: str | None = None
+    name: ReadoutName | None = None
 
 
 CapturePositions = Literal["last_prompt", "all_prompt", "all_generated", "all"]
@@ -167,7 +235,7 @@ class CaptureSpec(_Strict):
     # "inline": returned with the output; "patch_store": also written to the engine's
     # patch-source store as run `run` when the request finishes (a patch source for later).
     sink: Literal["inline", "patch_store"] = "inline"
-    run: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    run: RunId | None = None
     # The returned rows' dtype: bfloat16 halves what a long per-token capture holds and sends.
     dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -215,7 +283,7 @@ class CaptureSpec(_Strict):
 class PatchSource(_Strict):
     """Where a patch's activation comes from: a stored run's row, a vector, or zeros."""
 
-    run: str | None = None
+    run: RunRef | None = None
     position: Annotated[int, Field(ge=0)] | None = None  # the run's position (with `run`)
     vector: VectorValue | None = None
     zeros: bool | None = None
@@ -262,6 +330,19 @@ def _parse(model: type[BaseModel], value: Any, what: str) -> Any:
 def parse_steering(value: Any) -> SteeringSpec | None:
     spec = _parse(SteeringSpec, value, "steering")
     return None if spec is None or spec.is_empty else spec
+
+
+def parse_global_steering(value: Any) -> SteeringSpec:
+    """A spec to set as global steering: as `parse_steering`, but an empty one is refused.
+    Setting it would clear global steering while looking like a set; clearing is its own
+    call, so a client whose spec lost its vectors on the way hears about it."""
+    spec = _parse(SteeringSpec, value, "global steering")
+    if spec is None or spec.is_empty:
+        raise InvalidRequestError(
+            "the global steering spec is empty (no vectors, gates or abort_when): to clear "
+            "global steering, call POST /v1/steering/clear (gRPC: Steering.ClearGlobal)"
+        )
+    return spec
 
 
 def parse_capture(value: Any) -> CaptureSpec | None:

@@ -20,8 +20,8 @@ import torch
 
 from services.common.errors import InvalidRequestError, NotFoundError
 from services.common.wire import decode_vector
+from services.engine.interventions.spec import check_identifier
 
-_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 # Per-layer tensor names in a safetensors file: `direction.<L>`, `layers.<L>` or `<L>`.
 _LAYER_KEY = re.compile(r"(?:direction\.|layers\.)?(\d+)")
 _GGUF_FLOAT_TYPES = ("F32", "F16")  # llama.cpp itself accepts only F32
@@ -66,19 +66,11 @@ class NamedVector:
 
 
 def check_vector_name(name: object) -> str:
-    """`name` if it can name a vector (1-128 of letters, digits, `_ . : / -`), else
-    InvalidRequestError saying why. The one check: the registry and the cluster's admin API
-    (before anything is recorded) both call it, so they refuse exactly the same names."""
-    if not isinstance(name, str):
-        raise InvalidRequestError(
-            f"invalid vector name: it must be a string, got {type(name).__name__}"
-        )
-    if not _NAME.fullmatch(name):
-        shown = name if len(name) <= 40 else f"{name[:40]}... ({len(name)} characters)"
-        raise InvalidRequestError(
-            f"invalid vector name {shown!r}: use 1-128 letters, digits or _ . : / -"
-        )
-    return name
+    """`name` if it can name a vector (the identifier rule every request's ids follow,
+    `spec.check_identifier`), else InvalidRequestError saying why. The registry and the
+    cluster's admin API (before anything is recorded) both call it, so they refuse exactly
+    the names a request naming a vector is refused for."""
+    return check_identifier(name, "vector name")
 
 
 def vector_for_layer(entry: NamedVector, layer: int) -> torch.Tensor:
