@@ -9,6 +9,9 @@ runs them; a block that stops running fails it. The rules a README block lives b
   `bash -euo pipefail`. All run in one scratch directory, in README order, as a reader
   following the README in one directory would (so `tiny-llama`, made by the first section,
   is there for the later ones).
+- Every block runs twice in a row, as a reader who pastes it again would: a block that works
+  only once (a name registered without `overwrite=True`, a directory made without `-p`, a
+  run id captured twice) fails the test on its second run.
 - ```` ```text ```` blocks are not code (layouts, printed tables) and are not run. A block in
   any other language, or with none, fails the test: say what it is.
 - An HTML comment on the line before a block changes how it runs:
@@ -45,6 +48,7 @@ MARK = re.compile(r"^<!--\s*readme-test:\s*(\w+)\s*(?:\((.+)\))?\s*-->\s*$")
 MODES = {"run", "cluster", "script", "skip"}
 RUNNABLE = {"python", "bash"}
 BLOCK_TIMEOUT_S = 300
+RUNS = ("first run", "second run")  # each block twice in a row (see the docstring)
 ADMIN_KEY, READ_KEY = "cx-admin-" + "a" * 32, "cx-read-" + "r" * 32
 
 
@@ -202,7 +206,7 @@ def _for_cluster(code: str, info: dict[str, str]) -> str:
     return code.replace("localhost:8000", info["http"]).replace("localhost:50051", info["grpc"])
 
 
-def _run_bash(block: Block, code: str, workdir: Path, env: dict[str, str]) -> None:
+def _run_bash(block: Block, run: str, code: str, workdir: Path, env: dict[str, str]) -> None:
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", code],
         cwd=workdir,
@@ -212,12 +216,12 @@ def _run_bash(block: Block, code: str, workdir: Path, env: dict[str, str]) -> No
         timeout=BLOCK_TIMEOUT_S,
     )
     assert done.returncode == 0, (
-        f"{block.where()} exited {done.returncode}:\n{code}\n"
+        f"{block.where()}, {run}: exited {done.returncode}:\n{code}\n"
         f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
     )
 
 
-def _run_script(block: Block, code: str, workdir: Path, env: dict[str, str]) -> None:
+def _run_script(block: Block, run: str, code: str, workdir: Path, env: dict[str, str]) -> None:
     path = workdir / f"readme_block_{block.line}.py"
     path.write_text(code)
     done = subprocess.run(
@@ -228,7 +232,9 @@ def _run_script(block: Block, code: str, workdir: Path, env: dict[str, str]) -> 
         text=True,
         timeout=BLOCK_TIMEOUT_S,
     )
-    assert done.returncode == 0, f"{block.where()} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, (
+        f"{block.where()}, {run}: exited {done.returncode}:\n{done.stderr[-4000:]}"
+    )
 
 
 def _run_python(block: Block, code: str, namespace: dict[str, Any]) -> None:
@@ -239,7 +245,8 @@ def _run_python(block: Block, code: str, namespace: dict[str, Any]) -> None:
 
 class Reader:
     """A reader following the README in one directory: sections run in README order, each
-    once; asking for a section first runs the ones before it (so `-k` works)."""
+    once, and each block of a section twice in a row; asking for a section first runs the
+    ones before it (so `-k` works)."""
 
     def __init__(self, workdir: Path, env: dict[str, str], cluster: Cluster) -> None:
         self.workdir, self.env, self.cluster = workdir, env, cluster
@@ -264,18 +271,19 @@ class Reader:
                 code = _for_cluster(code, info)
                 env = {**env, "KEY": ADMIN_KEY}
                 monkeypatch.setenv("KEY", ADMIN_KEY)
-            if block.lang == "bash":
-                _run_bash(block, code, self.workdir, env)
-            elif block.mode == "script":
-                _run_script(block, code, self.workdir, env)
-            else:
-                try:
-                    _run_python(block, code, namespace)
-                except Exception as exc:
-                    raise AssertionError(
-                        f"{block.where()} raised {type(exc).__name__}: {exc}\n"
-                        + textwrap.indent(code, "    ")
-                    ) from exc
+            for run in RUNS:
+                if block.lang == "bash":
+                    _run_bash(block, run, code, self.workdir, env)
+                elif block.mode == "script":
+                    _run_script(block, run, code, self.workdir, env)
+                else:
+                    try:
+                        _run_python(block, code, namespace)
+                    except Exception as exc:
+                        raise AssertionError(
+                            f"{block.where()}, {run}: raised {type(exc).__name__}: {exc}\n"
+                            + textwrap.indent(code, "    ")
+                        ) from exc
 
 
 @pytest.fixture(scope="module")
