@@ -50,6 +50,9 @@ class AttentionBackend(ABC):
     # Whether a decode step's `prepare` output reads only device tensors of fixed shape, so
     # the step can be captured in a CUDA graph and replayed with new inputs.
     supports_graphs = False
+    # Whether the layer may write K/V into the cache itself (in its RoPE kernel, at
+    # `meta.slot_mapping`) and call `attend`, which reads them from the cache only.
+    reads_kv_from_cache = False
 
     @abstractmethod
     def prepare(self, inputs: StepAttentionInputs) -> Any:
@@ -243,6 +246,7 @@ class TritonBackend(AttentionBackend):
     """
 
     supports_graphs = True
+    reads_kv_from_cache = True
 
     def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs | _MixedStep:
         if inputs.is_decode:
@@ -282,6 +286,11 @@ class TritonBackend(AttentionBackend):
         hkv, d = k_cache.shape[-2:]
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        return self.attend(q, kv_cache, meta, scale, sliding_window)
+
+    def attend(self, q, kv_cache, meta, scale, sliding_window):
+        """Attention of `q` over the cache, which already holds this step's K/V."""
+        k_cache, v_cache = kv_cache
         if isinstance(meta, StepAttentionInputs):  # a decode step
             return decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window

@@ -140,3 +140,24 @@ def test_mixed_step_at_long_context_matches_the_sdpa_backend(dtype):
     sdpa = SdpaBackend()
     want = sdpa.forward(q, k, v, sdpa_cache, sdpa.prepare(inputs), 0.08, None)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_rope_cache_kernel_matches_reference(dtype, norm):
+    """The Qwen3-0.6B layer's shape (16 q heads, 8 KV heads, head dim 128), five tokens."""
+    from services.engine.kernels.norm_rope import qk_rope_cache_reference, qk_rope_cache_triton
+    from tests.unit.engine.kernels.test_fused_kernels import qk_rope_case
+
+    args, caches, slots, weights = qk_rope_case(5, 16, 8, 128, 40, 16, norm, dtype)
+    args = [a.cuda() for a in args]
+    caches, slots = [c.cuda() for c in caches], slots.cuda()
+    weights = [w.cuda() if w is not None else None for w in weights]
+    want_caches = [c.clone() for c in caches]
+    want = qk_rope_cache_reference(*args, *want_caches, slots, *weights, 1e-6)
+    got = qk_rope_cache_triton(*args, *caches, slots, *weights, 1e-6)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(
+        caches[0].float(), want_caches[0].float(), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+    assert torch.equal(caches[1], want_caches[1])

@@ -2,9 +2,12 @@
 
 Written as PyTorch ops, each RMSNorm is eight kernels and each rotary call fourteen; in a
 decode step of a small model those launches, not the weights, set the time. These do each
-in one kernel. Both compute exactly what the PyTorch references compute, rounding where
-they round (transformers' order: normalise in float32, cast to the activation dtype, then
-multiply by the weight); only the order of the float32 sum of squares differs.
+in one kernel, and `qk_rope_cache` does a layer's whole way from the qkv projection to the
+KV cache in one: the per-head q/k norms (Qwen3), RoPE of q and k, and the K and V writes
+into their cache slots (five kernels a layer before). All compute exactly what the PyTorch
+references compute, rounding where they round (transformers' order: normalise in float32,
+cast to the activation dtype, then multiply by the weight); only the order of the float32
+sum of squares differs.
 """
 
 from __future__ import annotations
@@ -49,6 +52,31 @@ def rotary_reference(
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def qk_rope_cache_reference(
+    q: torch.Tensor,  # [T, Hq, D] (views of the qkv projection's output are fine)
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,  # [N, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] flat cache slot of each token
+    q_weight: torch.Tensor | None = None,  # per-head RMSNorm weights [D] (Qwen3), or None
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """Norm q and k per head (with weights), rotate them, write k and v into their slots of
+    the cache; returns the rotated q."""
+    if q_weight is not None:
+        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+    q, k = rotary_reference(q, k, cos, sin, positions)
+    hkv, d = k_cache.shape[-2:]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    return q
 
 
 if triton is not None:
@@ -134,6 +162,102 @@ if triton is not None:
         _rotate_heads(k_ptr, k_out, t, stride_kt, stride_kh, HKV, c, s, HALF, BLOCK_HEADS)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope_heads(
+        src,  # this token's first head
+        stride_h,
+        dst,  # where its first head goes
+        dst_stride_h,
+        n,
+        w_ptr,
+        eps,
+        c,
+        s,
+        HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        ROTATE: tl.constexpr,
+    ):
+        """Heads [n, 2 * HALF] of one token: RMSNorm each (HAS_NORM), rotate (ROTATE), store;
+        rounded where the references round, so the result is theirs."""
+        dtype = src.dtype.element_ty
+        heads = tl.arange(0, BLOCK_HEADS)
+        d = tl.arange(0, HALF)
+        ok = heads[:, None] < n
+        p = src + heads[:, None] * stride_h + d[None, :]
+        x1 = tl.load(p, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(p + HALF, mask=ok, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+            r = tl.rsqrt(var + eps)[:, None]
+            w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+            x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        if ROTATE:
+            a1 = (x1 * c[None, :]).to(dtype).to(tl.float32)
+            b1 = (-x2 * s[None, :]).to(dtype).to(tl.float32)
+            a2 = (x2 * c[None, :]).to(dtype).to(tl.float32)
+            b2 = (x1 * s[None, :]).to(dtype).to(tl.float32)
+            x1, x2 = a1 + b1, a2 + b2
+        out = dst + heads[:, None] * dst_stride_h + d[None, :]
+        out_dtype = dst.dtype.element_ty
+        tl.store(out, x1.to(dtype).to(out_dtype), mask=ok)
+        tl.store(out + HALF, x2.to(dtype).to(out_dtype), mask=ok)
+
+    @triton.jit
+    def _qk_rope_cache_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        q_out,  # [T, HQ, 2 * HALF] contiguous
+        k_cache,  # [slots, HKV, 2 * HALF] (flat view of the paged cache)
+        v_cache,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        slot_ptr,
+        eps,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cs,
+        stride_ch,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        # One program per token: every head of q, k and v.
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        d = tl.arange(0, HALF)
+        dtype = q_ptr.dtype.element_ty
+        c = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        _norm_rope_heads(
+            q_ptr + t * stride_qt, stride_qh, q_out + t * HQ * 2 * HALF, 2 * HALF, HQ, qw_ptr,
+            eps, c, s, HALF, BLOCK_HEADS, HAS_NORM, True,
+        )  # fmt: skip
+        _norm_rope_heads(
+            k_ptr + t * stride_kt, stride_kh, k_cache + slot * stride_cs, stride_ch, HKV,
+            kw_ptr, eps, c, s, HALF, BLOCK_HEADS, HAS_NORM, True,
+        )  # fmt: skip
+        _norm_rope_heads(
+            v_ptr + t * stride_vt, stride_vh, v_cache + slot * stride_cs, stride_ch, HKV,
+            kw_ptr, eps, c, s, HALF, BLOCK_HEADS, False, False,
+        )  # fmt: skip
+
+
 def _use_triton(*tensors: torch.Tensor | None) -> bool:
     """The kernels have no backward: anything autograd must see (the trainer's forward)
     takes the PyTorch path."""
@@ -196,6 +320,43 @@ def rotary_triton(q, k, cos, sin, positions):
         num_warps=4,
     )
     return q_out, k_out
+
+
+def qk_rope_cache_triton(
+    q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None,
+    eps=0.0,
+):  # fmt: skip
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    kc = k_cache.view(-1, hkv, d)
+    vc = v_cache.view(-1, hkv, d)
+    has_norm = q_weight is not None
+    _qk_rope_cache_kernel[(t,)](
+        q, k, v, q_out, kc, vc, q_weight if has_norm else q, k_weight if has_norm else k,
+        cos, sin, positions, slot_mapping, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1),
+        HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_HEADS=triton.next_power_of_2(max(hq, hkv)),
+        HAS_NORM=has_norm, num_warps=4,
+    )  # fmt: skip
+    return q_out
+
+
+def qk_rope_cache(
+    q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None,
+    eps=0.0,
+):  # fmt: skip
+    """A layer's q/k norms (with weights; Qwen3), RoPE, and K/V cache writes; returns the
+    rotated q. One Triton kernel on CUDA (power-of-two head dims), else the references."""
+    half = q.shape[-1] // 2
+    if _use_triton(q, k, v, q_weight) and half & (half - 1) == 0:
+        return qk_rope_cache_triton(
+            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps
+        )
+    return qk_rope_cache_reference(
+        q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps
+    )
 
 
 def rms_norm(x, weight, eps, residual=None):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionBackend
+from services.engine.kernels.norm_rope import qk_rope_cache
 from services.engine.model.config import ModelConfig
 from services.engine.model.layers import (
     MergedColumnParallelLinear,
@@ -61,16 +62,21 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the runner
 
-    def project(
-        self, positions: torch.Tensor, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of the normed residual `x`, with
-        the per-head norms (Qwen3) and RoPE applied: what attention reads and caches."""
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The qkv projection of `x` as q [T, Hq, D], k and v [T, Hkv, D] (views)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of the normed residual `x`, with
+        the per-head norms (Qwen3) and RoPE applied: what attention reads and caches."""
+        q, k, v = self._heads(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -78,9 +84,21 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.project(positions, x)
         assert self.kv_cache is not None, "the runner must attach a KV cache before forward"
-        o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
+        if self.backend.reads_kv_from_cache:
+            # norms, RoPE and the K/V cache writes in one kernel, then attention from the cache
+            q, k, v = self._heads(x)
+            q = qk_rope_cache(
+                q, k, v, self.rotary.cos, self.rotary.sin, positions, *self.kv_cache,
+                meta.slot_mapping,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.q_norm.eps if self.q_norm is not None else 0.0,
+            )  # fmt: skip
+            o = self.backend.attend(q, self.kv_cache, meta, self.scale, self.sliding_window)
+        else:
+            q, k, v = self.project(positions, x)
+            o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -16,6 +16,8 @@ from services.engine.kernels.decode_attention import (
     prefill_attention_triton,
 )
 from services.engine.kernels.norm_rope import (
+    qk_rope_cache_reference,
+    qk_rope_cache_triton,
     rms_norm_reference,
     rms_norm_triton,
     rotary_reference,
@@ -246,3 +248,43 @@ def test_interpreted_norm_and_rotary_kernels_match_reference():
     kernel, reference = rotary_triton(q, k, cos, sin, pos), rotary_reference(q, k, cos, sin, pos)
     for got, want in zip(kernel, reference, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def qk_rope_case(t=5, hq=4, hkv=2, d=16, blocks=6, page=4, norm=True, dtype=torch.float32):
+    """Views of one fused qkv output, scrambled cache slots, a cos/sin table and weights."""
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    half = torch.randn(40, d // 2, generator=g)
+    cos, sin = torch.cat([half.cos(), half.cos()], 1), torch.cat([half.sin(), half.sin()], 1)
+    positions = torch.tensor([3, 0, 39, 7, 7][:t])
+    slots = torch.randperm(blocks * page, generator=g)[:t]
+    caches = [torch.randn(blocks, page, hkv, d, generator=g).to(dtype) for _ in range(2)]
+    weights = [(torch.rand(d, generator=g) + 0.5).to(dtype) if norm else None for _ in "qk"]
+    return (q, k, v, cos, sin, positions), caches, slots, weights
+
+
+def test_qk_rope_cache_reference_is_norm_then_rotary_then_the_cache_writes():
+    (q, k, v, cos, sin, pos), (kc, vc), slots, (qw, kw) = qk_rope_case()
+    got = qk_rope_cache_reference(q, k, v, cos, sin, pos, kc, vc, slots, qw, kw, 1e-6)
+    q2, k2 = rotary_reference(
+        rms_norm_reference(q, qw, 1e-6), rms_norm_reference(k, kw, 1e-6), cos, sin, pos
+    )
+    assert torch.equal(got, q2)
+    assert torch.equal(kc.view(-1, 2, 16)[slots], k2)
+    assert torch.equal(vc.view(-1, 2, 16)[slots], v)
+
+
+@interpreted_only
+@pytest.mark.parametrize("norm", [True, False])
+def test_interpreted_qk_rope_cache_kernel_matches_reference(norm):
+    """One kernel: per-head norms (Qwen3) or none, RoPE, and K/V written at their slots
+    of the paged cache; every other slot keeps what it held."""
+    args, (kc, vc), slots, weights = qk_rope_case(norm=norm)
+    want_k, want_v = kc.clone(), vc.clone()
+    want = qk_rope_cache_reference(*args, want_k, want_v, slots, *weights, 1e-6)
+    got = qk_rope_cache_triton(*args, kc, vc, slots, *weights, 1e-6)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kc, want_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(vc, want_v)
