@@ -5,22 +5,29 @@ PY ?= python3
 
 # System packages: redis-server (the controller and `coxswain up`; tests start their own) and
 # chromium (the dashboard's browser test), from Debian when missing and we may install them.
+# The installers run quietly (a first run takes a few minutes), so each step says what it does.
 setup:
 	@missing=""; command -v redis-server >/dev/null || missing="redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
-	if [ -n "$$missing" ]; then \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
-		else echo "please install: $$missing (e.g. sudo apt-get install -y $$missing)"; fi; \
-	fi
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	missing="$${missing# }"; \
+	if [ -z "$$missing" ]; then \
+		echo "==> redis-server and chromium: already installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "==> installing $$missing (apt-get)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "==> please install: $$missing (e.g. sudo apt-get install -y $$missing)"; fi
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "==> torch: already installed"; \
+	else echo "==> installing torch 2.13.0 (pip)"; $(PY) -m pip install -q "torch==2.13.0"; fi
+	@echo "==> installing coxswain and its Python dependencies, dev tools included (pip)"
+	@$(PY) -m pip install -q -e ".[dev]"
 
 # The local cluster (Redis, Ray, Serve gateway + engine, patch store, controller) on the
 # embedded tiny model, then a tour of it over HTTP and gRPC; `coxswain down` stops it.
 demo: setup
-	coxswain up --tiny --device cpu
-	coxswain demo --cluster
+	@echo "==> starting the local cluster on the tiny model (coxswain up --tiny --device cpu)"
+	@coxswain up --tiny --device cpu
+	@echo "==> touring it over HTTP and gRPC (coxswain demo --cluster)"
+	@coxswain demo --cluster
 
 test:
 	$(PY) -m pytest -q tests/unit tests/integration tests/e2e
