@@ -6,28 +6,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from services.cluster.local import coxswain_home
 from services.common.errors import CoxswainError
-
-DEFAULT_HOME = coxswain_home()  # $COXSWAIN_HOME, else ~/.cache/coxswain
+from services.common.paths import check_model_dir, coxswain_home, resolve_model
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument(
         "--max-num-seqs",
         type=int,
         default=None,
         help="sequences a step batches (default: 256 on CUDA, 64 on CPU)",
     )
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="never reuse the KV of a shared prefix"
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -62,6 +64,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from services.engine import LLM, SamplingParams
 
+    check_model_dir(args.model)
     llm = LLM(args.model, **_engine_kwargs(args))
     params = SamplingParams(
         n=args.n,
@@ -116,7 +119,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.common.auth import ApiKey, ApiKeys
     from services.engine.service import EngineService
     from services.gateway.process_backend import BackendServer, http_frontend
-    from services.gateway.serve_app import resolve_model
 
     keys = ApiKeys.from_env(args.api_keys_file)
     made = {}
@@ -124,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         made = {scope: f"cx-{scope}-{secrets.token_urlsafe(24)}" for scope in ("admin", "read")}
         keys = ApiKeys([ApiKey(scope, scope, key) for scope, key in made.items()])  # type: ignore[arg-type]
     model_dir = resolve_model("tiny" if args.tiny or not args.model else args.model)
+    check_model_dir(model_dir)
     service = EngineService.from_model(model_dir, model_id=model_dir.name, **_engine_kwargs(args))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -160,7 +163,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from services.engine import LLM, SamplingParams
     from services.engine.model.tiny import make_tiny_checkpoint
 
-    model_dir = Path(args.model_dir or DEFAULT_HOME / f"tiny-{args.arch}")
+    model_dir = Path(args.model_dir or coxswain_home() / f"tiny-{args.arch}")
     if not (model_dir / "config.json").is_file():
         print(f"building a tiny {args.arch} checkpoint in {model_dir} ...")
         make_tiny_checkpoint(model_dir, args.arch)
@@ -256,8 +259,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             new_keys=args.new_keys,
         )
     )
-    already = " (already running)" if info.get("already_running") else ""
-    print(f"coxswain is up{already}: model {info['model']}")
+    print(f"coxswain is up: model {info['model']}")
     print(f"  {'listening':10s} {_bind_text(info.get('bind', '127.0.0.1'))}")
     for name in ("http", "openapi", "dashboard", "metrics", "grpc", "redis"):
         print(f"  {name:10s} {info[name]}")
@@ -279,20 +281,26 @@ def _bind_text(host: str) -> str:
 def cmd_down(args: argparse.Namespace) -> int:
     from services.cluster.local import down
 
-    stopped = down()
+    stopped, left = down()
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    for e in left:  # the cluster is down all the same; the next `up` names the file again
+        print(f"coxswain: warning: could not remove {e.filename}: {e.strerror}", file=sys.stderr)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """What `coxswain up` started and whether it answers; exit status 1 when it is not up."""
+    """What `coxswain up` started and whether it answers; exit status 1 when it is not up
+    (not running, or degraded: a part of it does not answer)."""
     from services.cluster.local import status
 
     report = status()
     if args.json:
         print(json.dumps(report))
-        return 0 if report["running"] else 1
-    print("coxswain is " + ("up" if report["running"] else "not running"))
+        return 0 if report["state"] == "up" else 1
+    print(
+        f"coxswain is {report['state']}"
+        + (f": {', '.join(report['degraded'])} not answering" if report["degraded"] else "")
+    )
     if "reason" in report:
         print(f"  {report['reason']}")
     for name in ("model", "bind", "http", "grpc", "controller", "redis", "api_keys_file"):
@@ -303,7 +311,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     health = report.get("health")
     if isinstance(health, dict):
         print(f"  {'health':14s} {json.dumps(health)}")
-    return 0 if report["running"] else 1
+    return 0 if report["state"] == "up" else 1
 
 
 def cmd_train_grpo(args: argparse.Namespace) -> int:
@@ -341,6 +349,9 @@ def cmd_train_grpo(args: argparse.Namespace) -> int:
 def _train_grpo_on_ray(config, args: argparse.Namespace) -> list[dict]:
     """Run `config` in a `TrainerActor`, following it by polling until it ends; its records.
     The actor belongs to this process: Ctrl-C (or the end) stops it."""
+    from services.cluster.local import ray_client_env
+
+    os.environ.update(ray_client_env())  # before Ray is imported (a `coxswain up` cluster)
     import ray
     from tqdm import tqdm
 
@@ -417,39 +428,74 @@ def cmd_train_pretrain(args: argparse.Namespace) -> int:
     return pretrain_main(args.rest)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The one formatter of every `coxswain` parser: descriptions as written (they are
+    docstrings), and each option's default after its help, unless it has none worth telling
+    (None, a flag's False) or its help already says what happens without it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        if "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A parser whose subcommands get its formatter, and which names itself in the parsed
+    arguments (`command_parser`: the deepest one wins), so that a stray flag is reported
+    with the usage of the command it was given to, not the top-level one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.set_defaults(command_parser=self)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coxswain", description=__doc__)
+    parser = CommandParser(prog="coxswain", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {importlib.metadata.version('coxswain')}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="checkpoint tools").add_subparsers(
         dest="model_command", required=True
     )
     tiny = model.add_parser("make-tiny", help="write a tiny random HF checkpoint directory")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-    tiny.add_argument("--out", required=True)
-    tiny.add_argument("--layers", type=int, default=2)
-    tiny.add_argument("--hidden", type=int, default=64)
-    tiny.add_argument("--heads", type=int, default=4)
-    tiny.add_argument("--kv-heads", type=int, default=2)
-    tiny.add_argument("--vocab", type=int, default=512)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    tiny.add_argument("--shards", type=int, default=1)
+    tiny.add_argument(
+        "--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"], help="family"
+    )
+    tiny.add_argument("--out", required=True, help="the directory to write")
+    tiny.add_argument("--layers", type=int, default=2, help="decoder layers")
+    tiny.add_argument("--hidden", type=int, default=64, help="hidden size")
+    tiny.add_argument("--heads", type=int, default=4, help="attention heads")
+    tiny.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    tiny.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    tiny.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the stored weights",
+    )
+    tiny.add_argument("--shards", type=int, default=1, help="safetensors files to split into")
     tiny.set_defaults(func=cmd_make_tiny)
 
     gen = sub.add_parser("generate", help="generate from a local HF checkpoint")
     gen.add_argument("--model", required=True, help="a local Hugging Face checkpoint directory")
-    gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--n", type=int, default=1)
-    gen.add_argument("--stop", action="append")
-    gen.add_argument("--logprobs", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("prompts", nargs="+", help="one completion per prompt")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest; 0: all")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below p × the top")
+    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--logprobs", type=int, default=None, help="top-k logprobs per token")
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_engine_args(gen)
@@ -460,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--model", help="a local Hugging Face checkpoint directory")
     which.add_argument("--tiny", action="store_true", help="the embedded tiny model (default)")
     srv.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="HTTP port")
     srv.add_argument("--workers", type=int, default=2, help="HTTP worker processes")
     srv.add_argument(
         "--api-keys-file",
@@ -470,10 +516,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    demo = sub.add_parser("demo", help="build the embedded tiny model and serve a batch")
-    demo.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-    demo.add_argument("--model-dir", default=None)
-    demo.add_argument("--cluster", action="store_true", help="tour the running local cluster")
+    demo = sub.add_parser(
+        "demo",
+        help="build the embedded tiny model and serve a batch; --cluster: tour the running "
+        "local cluster",
+        description=cmd_demo.__doc__,
+    )
+    demo.add_argument(
+        "--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"], help="family"
+    )
+    demo.add_argument(
+        "--model-dir", default=None, help="where the tiny model is (default: $COXSWAIN_HOME)"
+    )
+    demo.add_argument(
+        "--cluster", action="store_true", help="tour the running local cluster (`coxswain up`)"
+    )
     _add_engine_args(demo)
     demo.set_defaults(func=cmd_demo)
 
@@ -504,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
         "a GPU of its own: --replicas × --tp × --pp GPUs, counted before anything starts "
         "(CUDA_VISIBLE_DEVICES limits which)",
     )
-    upp.add_argument("--dtype", default="auto")
+    upp.add_argument(
+        "--dtype", default="auto", help="float32, bfloat16, float16, or auto (the device's)"
+    )
     upp.add_argument(
         "--host",
         default="127.0.0.1",
@@ -512,15 +571,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     upp.add_argument("--port", type=int, default=8000, help="HTTP port")
     upp.add_argument("--grpc-port", type=int, default=50051, help="engine gRPC front")
-    upp.add_argument("--controller-grpc-port", type=int, default=50071)
+    upp.add_argument(
+        "--controller-grpc-port", type=int, default=50071, help="the controller's gRPC"
+    )
     upp.add_argument(
         "--redis-url",
         default=None,
         help="your Redis (redis://:PASSWORD@HOST:PORT/0); default: start one with a password",
     )
     upp.add_argument("--api-keys-file", default=None, help="default: the cluster's own keys")
-    upp.add_argument("--new-keys", action="store_true", help="replace the cluster's API keys")
-    upp.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule")
+    upp.add_argument(
+        "--new-keys", action="store_true", help="replace the cluster's API keys (when it is down)"
+    )
+    upp.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all)"
+    )
     upp.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop what `coxswain up` started").set_defaults(func=cmd_down)
     st = sub.add_parser("status", help="what `coxswain up` started, and whether it answers")
@@ -565,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "passes_flags_on", False):
         args.rest = rest
     elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except CoxswainError as e:

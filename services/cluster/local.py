@@ -19,7 +19,10 @@ exactly what this `up` started and nothing else on the host:
 
 Everything lives in the cluster directory (`$COXSWAIN_HOME/cluster`, default
 `~/.cache/coxswain/cluster`, mode 0700). Files holding secrets (state.json, api_keys,
-redis.conf) are created 0600. API keys are kept across `up` runs unless `--new-keys`.
+redis.conf, and what Redis writes there) are created 0600. API keys are kept across `up`
+runs unless `--new-keys`; the replicas get them in the application's arguments, so that one
+restarted later needs no file. One `up` at a time holds the directory (`up.lock`), and `up`
+refuses a directory whose cluster is running: two clusters would fight over the same ports.
 """
 
 from __future__ import annotations
@@ -36,26 +39,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import (
-    CheckpointError,
     CoxswainError,
     InvalidRequestError,
     ServiceUnavailableError,
 )
 from services.common.net import free_port
+from services.common.paths import check_model_dir, coxswain_home, resolve_model
 
 APP_NAME = "coxswain"
 _ANY_HOST = ("0.0.0.0", "::", "")
 _STOP_GRACE_S = 5.0
-
-
-def coxswain_home() -> Path:
-    """Where Coxswain keeps generated models and the local cluster's state."""
-    return Path(os.environ.get("COXSWAIN_HOME") or Path.home() / ".cache" / "coxswain")
 
 
 def cluster_dir() -> Path:
@@ -88,6 +87,42 @@ def _private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.chmod(0o700)  # an older directory may have been created with the umask's mode
     return path
+
+
+def _unwritable(directory: Path, e: OSError) -> CoxswainError:
+    """One line for a cluster directory `up` cannot keep its state in."""
+    return CoxswainError(
+        f"cannot keep the cluster's state in {directory} ({e.filename or directory}: "
+        f"{e.strerror or e}): make it writable, or set COXSWAIN_HOME to another directory"
+    )
+
+
+@contextlib.contextmanager
+def _holding(directory: Path) -> Iterator[None]:
+    """Hold the cluster directory (made private) for one `up`'s start-up, so that a second
+    `up` from it fails at once, naming this one, instead of starting a second Redis and a
+    second Serve on the same ports. The lock is an flock: it goes with the process, however
+    that ends."""
+    import fcntl
+
+    try:
+        _private_dir(directory)
+        fd = os.open(directory / "up.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise _unwritable(directory, e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise CoxswainError(
+                f"another `coxswain up` (pid {holder}) is starting a cluster from {directory}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -205,7 +240,11 @@ def _start_redis(directory: Path, state: dict[str, Any]) -> str:
             ]
         ),
     )
-    done = subprocess.run([exe, str(conf)], capture_output=True, text=True)
+    log = directory / "redis.log"
+    if log.is_file():  # Redis appends to an old log, whatever mode it had
+        log.chmod(0o600)
+    # umask: the log and pid file it creates are the user's alone
+    done = subprocess.run([exe, str(conf)], capture_output=True, text=True, umask=0o077)
     if done.returncode != 0:
         raise ServiceUnavailableError(f"redis-server failed to start: {done.stderr[-1000:]}")
     url = f"redis://:{password}@127.0.0.1:{port}/0"
@@ -219,7 +258,6 @@ def _start_redis(directory: Path, state: dict[str, Any]) -> str:
         if why is None and "redis_pid" in state:
             return url
         if time.monotonic() > deadline:
-            log = directory / "redis.log"
             tail = log.read_text()[-1000:] if log.is_file() else ""
             raise ServiceUnavailableError(f"redis-server on port {port} did not start: {tail}")
         time.sleep(0.05)
@@ -258,19 +296,51 @@ def _use_ray_token_auth() -> None:
     if "ray" in sys.modules and "RAY_AUTH_MODE" not in os.environ:
         raise CoxswainError("set RAY_AUTH_MODE (token or disabled) before importing ray")
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if os.environ["RAY_AUTH_MODE"].lower() == "token":
-        done = subprocess.run(
-            [*_ray_command(), "get-auth-token", "--generate"], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise ServiceUnavailableError(f"no Ray auth token: {done.stderr[-1000:]}")
+    if os.environ["RAY_AUTH_MODE"].lower() != "token":
+        return
+    done = subprocess.run(
+        [*_ray_command(), "get-auth-token", "--generate"],
+        capture_output=True,
+        text=True,
+        umask=0o077,  # a new token (and ~/.ray) is the user's alone
+    )
+    if done.returncode != 0:
+        raise ServiceUnavailableError(f"no Ray auth token: {done.stderr[-1000:]}")
+    token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if token.is_file():  # RAY_AUTH_TOKEN may hold it instead
+        try:
+            token.chmod(0o600)  # one Ray made earlier may be world-readable
+        except OSError as e:
+            raise CoxswainError(f"Ray's auth token {token} must be private: {e.strerror}") from e
+
+
+# Ray swaps 127.0.0.1 for the machine's outside address (in `ray start` and in every client
+# that connects) unless told the cluster has one node, the switch it uses on macOS. Read
+# once, when Ray is imported.
+SINGLE_NODE_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def ray_client_env() -> dict[str, str]:
+    """What a Ray client on this host (`train grpo --ray`) needs in its environment, before
+    it imports Ray, to connect to the running local cluster: its address and
+    `SINGLE_NODE_RAY`. Empty when none runs, or RAY_ADDRESS names another cluster."""
+    state = read_state()
+    address = (state or {}).get("ray_address")
+    if address is None or os.environ.get("RAY_ADDRESS", address) != address:
+        return {}
+    if not _listening(address):  # no psutil here: it would import Ray
+        return {}
+    return {**SINGLE_NODE_RAY, "RAY_ADDRESS": address}
 
 
 def _start_ray_head(opts: UpOptions, state: dict[str, Any]) -> str:
-    """`ray start --head` in a new session; the GCS address."""
+    """`ray start --head` in a new session; the GCS address. Its node address is loopback,
+    so that Ray's Prometheus exporters (the metrics agent's, the autoscaler's and the
+    dashboard's), which take no token, listen on loopback, not on every interface (its gRPC
+    servers take Ray's token)."""
     port = free_port()
     cmd = [
-        *_ray_command(), "start", "--head", f"--port={port}",
+        *_ray_command(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
         "--disable-usage-stats", "--include-dashboard=false",
         # Ports Ray otherwise fixes (10001, 52365): another Ray on this host may hold them.
         f"--ray-client-server-port={free_port()}",
@@ -278,7 +348,7 @@ def _start_ray_head(opts: UpOptions, state: dict[str, Any]) -> str:
     ]  # fmt: skip
     if opts.num_cpus is not None:
         cmd.append(f"--num-cpus={opts.num_cpus}")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # SINGLE_NODE_RAY too
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -331,40 +401,47 @@ def _stop_ray(state: dict[str, Any]) -> bool:
 # -- up / down / status ------------------------------------------------------------------------
 
 
-def check_model_dir(model: str | Path) -> None:
-    """Raise CheckpointError naming the path and what is missing, before anything starts."""
-    from services.engine.model.config import load_model_config
-    from services.engine.model.loader import checkpoint_files
+@dataclass(frozen=True)
+class ClusterKeys:
+    """The cluster's API keys as `up` read them once: the replicas get `text` in the
+    application's arguments (no replica reads `file`, which may be gone by the time one
+    restarts); `printed` is what `up` shows (empty for a file the user gave)."""
 
-    root = Path(model)
-    checkpoint_files(root)  # the directory exists and holds safetensors weights
-    load_model_config(root)  # config.json, a supported architecture
-    if not (root / "tokenizer.json").is_file():
-        raise CheckpointError(f"{root}: no tokenizer.json (only fast tokenizers are supported)")
+    file: str
+    text: str = dataclasses.field(repr=False)
+    printed: dict[str, str] = dataclasses.field(repr=False)
 
 
-def _api_keys(opts: UpOptions, directory: Path) -> tuple[str, dict[str, str]]:
-    """The keys file and the keys `up` prints: a given file as is; else the cluster's own
-    (admin + read-only), generated once and kept until `--new-keys`."""
+def _api_keys(opts: UpOptions, directory: Path) -> ClusterKeys:
+    """A given keys file as is; else the cluster's own (admin + read-only), generated once
+    and kept until `--new-keys`."""
     from services.common.auth import ApiKeys
 
     if opts.api_keys_file:
-        return opts.api_keys_file, {}
+        try:
+            text = Path(opts.api_keys_file).read_text()
+            ApiKeys.parse(text)
+        except (OSError, CoxswainError) as e:
+            why = e.strerror if isinstance(e, OSError) else e
+            raise InvalidRequestError(f"--api-keys-file {opts.api_keys_file}: {why}") from None
+        return ClusterKeys(opts.api_keys_file, text, {})
     path = directory / "api_keys"
     if path.is_file() and not opts.new_keys:
         path.chmod(0o600)
+        text = path.read_text()
         try:
-            keys = {k.name: k.secret for k in ApiKeys.parse(path.read_text()).keys}
+            keys = {k.name: k.secret for k in ApiKeys.parse(text).keys}
         except CoxswainError as e:
             raise InvalidRequestError(f"{path}: {e} (start with --new-keys to replace it)") from e
         if {"admin", "read"} <= keys.keys():
-            return str(path), {"admin": keys["admin"], "read": keys["read"]}
+            return ClusterKeys(str(path), text, {"admin": keys["admin"], "read": keys["read"]})
     keys = {
         "admin": "cx-admin-" + secrets.token_hex(16),
         "read": "cx-read-" + secrets.token_hex(16),
     }
-    write_private(path, "".join(f"{scope}:{scope}:{key}\n" for scope, key in keys.items()))
-    return str(path), keys
+    text = "".join(f"{scope}:{scope}:{key}\n" for scope, key in keys.items())
+    write_private(path, text)
+    return ClusterKeys(str(path), text, keys)
 
 
 def _client_host(host: str) -> str:
@@ -383,9 +460,16 @@ def _stop_recorded(state: dict[str, Any]) -> list[str]:
     return stopped
 
 
-def _clear_state() -> None:
+def _clear_state() -> list[OSError]:
+    """Remove what only a running cluster needs (the keys stay); why each file that could
+    not be removed stays."""
+    left = []
     for name in ("state.json", "redis.conf", "redis.pid"):
-        (cluster_dir() / name).unlink(missing_ok=True)
+        try:
+            (cluster_dir() / name).unlink(missing_ok=True)
+        except OSError as e:
+            left.append(e)
+    return left
 
 
 def visible_gpus() -> int:
@@ -433,28 +517,37 @@ def up(opts: UpOptions) -> dict[str, Any]:
         raise InvalidRequestError("--tp, --pp and --replicas must be >= 1")
     gpus = 0 if opts.device == "cpu" else visible_gpus()
     opts = dataclasses.replace(opts, device=resolve_device(opts, gpus))
-    _use_ray_token_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
-    running = running_cluster()
-    if running is not None:
-        return {**running, "already_running": True}
     if opts.model != "tiny":
         check_model_dir(opts.model)  # seconds, not a Ray error after the replicas start
-    if opts.redis_url and (why := _redis_ping(opts.redis_url)) is not None:
-        raise ServiceUnavailableError(f"Redis at --redis-url is not usable: {why}")
-    directory = _private_dir(cluster_dir())
-    leftover = read_state()
-    if leftover is not None:  # a cluster that died or an `up` that was killed halfway
-        _stop_recorded(leftover)
-        _clear_state()
-
-    state: dict[str, Any] = {"bind": opts.host}
-    _save_state(state)
-    try:
-        return _start(opts, directory, state)
-    except BaseException:
-        _stop_recorded(state)
-        _clear_state()
-        raise
+    directory = cluster_dir()
+    with _holding(directory):
+        _use_ray_token_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
+        os.environ.update(SINGLE_NODE_RAY)  # likewise; the Ray head inherits it
+        running = running_cluster()
+        if running is not None:
+            raise CoxswainError(
+                f"the cluster from {directory} is already running ({running['http']}): "
+                "`coxswain status` shows it; `coxswain down` stops it"
+                + (", and then `up --new-keys` starts one with new keys" if opts.new_keys else "")
+            )
+        if opts.redis_url and (why := _redis_ping(opts.redis_url)) is not None:
+            raise ServiceUnavailableError(f"Redis at --redis-url is not usable: {why}")
+        leftover = read_state()
+        if leftover is not None:  # a cluster that died or an `up` that was killed halfway
+            _stop_recorded(leftover)
+        state: dict[str, Any] = {"bind": opts.host}
+        try:  # before anything starts: a directory `up` cannot write fails here
+            if left := _clear_state():
+                raise left[0]
+            _save_state(state)
+        except OSError as e:
+            raise _unwritable(directory, e) from None
+        try:
+            return _start(opts, directory, state)
+        except BaseException:
+            _stop_recorded(state)
+            _clear_state()
+            raise
 
 
 def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -462,7 +555,7 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
     import ray
     from ray import serve
 
-    from services.gateway.serve_app import build_app, resolve_model
+    from services.gateway.serve_app import build_app
 
     if opts.redis_url:
         redis_url = opts.redis_url
@@ -471,7 +564,7 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
         redis_url = _start_redis(directory, state)
     state["redis_url"] = redis_url
     _save_state(state)
-    keys_file, keys = _api_keys(opts, directory)
+    keys = _api_keys(opts, directory)
     model = str(resolve_model(opts.model))  # build the tiny model once, before replicas race
 
     gcs = _start_ray_head(opts, state)
@@ -492,7 +585,7 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
             "pp": opts.pp,
             "device": opts.device,
             "dtype": opts.dtype,
-            "api_keys_file": keys_file,
+            "api_keys": keys.text,  # not the file: a replica that restarts later needs none
             "redis_url": redis_url,
             "grpc_port": opts.grpc_port,
             "controller_grpc_port": opts.controller_grpc_port,
@@ -507,7 +600,7 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
         app = build_app(args)  # the first engine replica starts the store and controller
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         host = _client_host(opts.host)
-        _wait_healthy(f"http://{host}:{opts.http_port}/health", _auth_headers(keys_file))
+        _wait_healthy(f"http://{host}:{opts.http_port}/health")
     finally:
         ray.shutdown()
     info = {
@@ -515,14 +608,14 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
         "http": f"http://{host}:{opts.http_port}",
         "openapi": f"http://{host}:{opts.http_port}/docs",
         "dashboard": f"http://{host}:{opts.http_port}/dashboard"
-        + (f"?key={keys['read']}" if keys else ""),
+        + (f"?key={keys.printed['read']}" if keys.printed else ""),
         "metrics": f"http://{host}:{opts.http_port}/metrics",
         "grpc": f"{host}:{opts.grpc_port}",
         "redis": _redacted(redis_url),
         "model": model,
         "controller": f"{host}:{opts.controller_grpc_port} (gRPC)",
-        "api_keys_file": keys_file,
-        "api_keys": keys,
+        "api_keys_file": keys.file,
+        "api_keys": keys.printed,
     }
     state.update(info)
     _save_state(state)
@@ -540,25 +633,15 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _auth_headers(keys_file: str | None) -> dict[str, str]:
-    """A key for our own health checks (/health is public; a key does no harm)."""
-    from services.common.auth import ApiKeys
-
-    try:
-        keys = ApiKeys.from_env(keys_file).keys if keys_file else []
-    except (OSError, CoxswainError):
-        keys = []
-    return {"Authorization": f"Bearer {keys[0].secret}"} if keys else {}
-
-
-def _wait_healthy(url: str, headers: dict[str, str], timeout_s: float = 300) -> None:
+def _wait_healthy(url: str, timeout_s: float = 300) -> None:
+    """Until the gateway answers /health (public: no key needed) or `timeout_s` passes."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(url, headers=headers, timeout=5)
+            r = httpx.get(url, timeout=5)
             if r.status_code == 200:
                 return
             last = f"{r.status_code} {r.text[:200]}"
@@ -575,23 +658,23 @@ def running_cluster() -> dict[str, Any] | None:
     info = read_state()
     if info is None or "http" not in info:
         return None
-    headers = _auth_headers(info.get("api_keys_file"))
     try:
-        if httpx.get(info["http"] + "/health", headers=headers, timeout=2).status_code == 200:
+        if httpx.get(info["http"] + "/health", timeout=2).status_code == 200:
             return info
     except httpx.HTTPError:
         pass
     return None
 
 
-def down() -> list[str]:
-    """Stop what `up` started, and only that; returns what was stopped."""
+def down() -> tuple[list[str], list[OSError]]:
+    """Stop what `up` started, and only that; returns what was stopped, and why each state
+    file that could not be removed stays (a read-only directory: the cluster is down all
+    the same, and the next `up` names the file)."""
     state = read_state()
     if state is None:
-        return []
+        return [], []
     stopped = _stop_recorded(state)
-    _clear_state()  # the API keys stay for the next `up`
-    return stopped
+    return stopped, _clear_state()  # the API keys stay for the next `up`
 
 
 def _listening(address: str) -> bool:
@@ -602,24 +685,30 @@ def _listening(address: str) -> bool:
 
 
 def status() -> dict[str, Any]:
-    """What `up` started and whether each part answers: `running` is True when the gateway
-    is healthy."""
+    """What `up` started and whether each part answers. `running`: the gateway is healthy;
+    `degraded`: the parts that do not answer (Redis carries admin state, the controller's
+    queues and the engine links, so a cluster whose Redis is gone is not up); `state`: "up"
+    when running with nothing degraded, else "degraded" or "not running"."""
     import httpx
 
     state = read_state()
     if state is None:
-        return {"running": False, "reason": f"no cluster state in {cluster_dir()}"}
+        reason = f"no cluster state in {cluster_dir()}"
+        return {"state": "not running", "running": False, "degraded": [], "reason": reason}
     report: dict[str, Any] = {k: state[k] for k in ("bind", "model", "api_keys_file") if k in state}
     report["ray_head_processes"] = len(_ray_processes(state))
+    degraded = []
     if state.get("redis_url"):
         why = _redis_ping(state["redis_url"])
         report["redis"] = f"{_redacted(state['redis_url'])}: " + ("ok" if why is None else why)
+        if why is not None:
+            degraded.append("redis")
     if "http" not in state:
-        report.update(running=False, reason="`coxswain up` did not finish")
+        reason = "`coxswain up` did not finish"
+        report.update(state="not running", running=False, degraded=degraded, reason=reason)
         return report
     try:
-        headers = _auth_headers(state.get("api_keys_file"))
-        r = httpx.get(state["http"] + "/health", headers=headers, timeout=5)
+        r = httpx.get(state["http"] + "/health", timeout=5)
         health = r.json() if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
     except (httpx.HTTPError, ValueError) as e:
         health = f"unreachable: {e}"
@@ -627,6 +716,11 @@ def status() -> dict[str, Any]:
     report["health"] = health
     for name in ("grpc", "controller"):
         address = state[name].split(" ")[0]
-        report[name] = f"{address}: " + ("listening" if _listening(address) else "not listening")
-    report["running"] = isinstance(health, dict)
+        listening = _listening(address)
+        report[name] = f"{address}: " + ("listening" if listening else "not listening")
+        if not listening:
+            degraded.append(name)
+    running = isinstance(health, dict)
+    report.update(running=running, degraded=degraded)
+    report["state"] = "not running" if not running else "degraded" if degraded else "up"
     return report

@@ -49,6 +49,7 @@ from services.common.errors import (
     ServiceUnavailableError,
     unwrap_ray_error,
 )
+from services.common.paths import resolve_model
 from services.gateway.engine_links import EngineLinks
 from services.gateway.http_auth import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from services.gateway.process_backend import ProcessBackend, listening_socket
@@ -78,7 +79,17 @@ class AppArgs(BaseModel):
         description="GPUs Ray gives each rank of an engine replica (the Serve replica itself "
         "when tp * pp == 1); see engine_resources",
     )
-    api_keys_file: str | None = None
+    api_keys_file: str | None = Field(
+        None,
+        description="name:scope:secret lines, read by each replica as it starts (a mounted "
+        "Secret: restarting the replicas picks up an edited one)",
+    )
+    api_keys: str | None = Field(
+        None,
+        description="the keys themselves, as name:scope:secret lines, instead of a file: "
+        "`coxswain up` passes its cluster's, so that a restarted replica needs no file",
+        repr=False,
+    )
     redis_url: str | None = Field(
         None,
         validate_default=True,
@@ -151,25 +162,18 @@ class AppArgs(BaseModel):
             )
         return self
 
+    def keys(self) -> ApiKeys:
+        """The keys every front end and shared actor of the application checks."""
+        if self.api_keys is not None:
+            return ApiKeys.parse(self.api_keys)
+        return ApiKeys.from_env(self.api_keys_file)
+
     def device_type(self) -> str:
         """The engine replicas' device type, "cuda" or "cpu", as far as the application can
         tell without seeing their hosts: device cuda, or auto with GPUs asked of Ray."""
         if self.device.startswith("cuda") or (self.device == "auto" and self.num_gpus_per_rank):
             return "cuda"
         return "cpu"
-
-
-def resolve_model(model: str) -> Path:
-    """A checkpoint directory; "tiny" generates the embedded tiny model once per host."""
-    if model != "tiny":
-        return Path(model)
-    from services.cli import DEFAULT_HOME
-    from services.engine.model.tiny import make_tiny_checkpoint
-
-    out = DEFAULT_HOME / "tiny-llama"
-    if not (out / "config.json").is_file():
-        make_tiny_checkpoint(out, "llama")
-    return out
 
 
 def _patch_store_address() -> str | None:
@@ -596,10 +600,10 @@ def gateway_http_app(a: AppArgs, app_name: str) -> tuple[Any, Any, ApiKeys]:
     cluster = cluster_store(a.redis_url)
     links = EngineLinks(cluster, _backend_key(a), app_name)
     backend = RemoteEngine(engine, cluster, a.admin_apply_timeout_s, links)
-    keys = ApiKeys.from_env(a.api_keys_file)
+    keys = a.keys()
     if not keys.enabled and not a.allow_no_auth:
         raise CoxswainError(
-            "no API keys are configured (api_keys_file or COXSWAIN_API_KEYS): refusing "
+            "no API keys are configured (api_keys, api_keys_file or COXSWAIN_API_KEYS): refusing "
             "to serve unauthenticated; set allow_no_auth: true for local development"
         )
     store = None
@@ -732,7 +736,7 @@ def start_cluster_actors(a: AppArgs) -> None:
 
     start_patch_store_actor(
         int(a.patch_store_budget_gb * 2**30),
-        keys=ApiKeys.from_env(a.api_keys_file),  # beside the actor's own service key
+        keys=a.keys(),  # beside the actor's own service key
         host=a.bind_host,
         name=PATCH_STORE_ACTOR,
         namespace="coxswain",
@@ -756,7 +760,7 @@ def start_cluster_actors(a: AppArgs) -> None:
             },
             grpc_host=a.bind_host,
             grpc_port=a.controller_grpc_port,
-            keys=ApiKeys.from_env(a.api_keys_file),
+            keys=a.keys(),
         )
 
 

@@ -167,6 +167,60 @@ def test_generate_reports_bad_checkpoint_and_bad_values(tmp_path):
     assert r.returncode == 2 and "top_p" in r.stderr
 
 
+def test_a_missing_model_is_worded_the_same_by_every_command(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    gen = _coxswain("generate", "--model", missing, "hello")
+    up = _coxswain("up", "--model", missing, "--device", "cpu", env=_home_env(tmp_path))
+    assert gen.returncode == up.returncode == 2
+    assert (
+        gen.stderr
+        == up.stderr
+        == f"coxswain: error: checkpoint directory {missing} does not exist\n"
+    )
+
+
+def test_version_and_help_of_every_option_with_its_default():
+    from importlib.metadata import version
+
+    from services.cli import build_parser
+
+    r = _coxswain("--version")
+    assert (r.returncode, r.stdout) == (0, f"coxswain {version('coxswain')}\n")
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action.choices, dict):  # the subcommands
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    for parser in parsers(build_parser()):
+        for action in parser._actions:
+            if action.dest not in ("help", "version") and action.option_strings:
+                assert action.help, f"{parser.prog} {action.option_strings[0]} has no help"
+    up = _coxswain("up", "--help").stdout
+    # one entry per option: "--flag VALUE  help ... (default: D)", over several lines
+    entries = {e.split()[0]: " ".join(e.split()) for e in re.split(r"\n  (?=-)", up)[1:]}
+    for flag, default in (
+        ("--device", "auto"),
+        ("--dtype", "auto"),
+        ("--controller-grpc-port", "50071"),
+    ):
+        assert entries[flag].endswith(f"(default: {default})"), entries[flag]
+    assert "(default: 32)" in _coxswain("generate", "--help").stdout
+    top = _coxswain("--help").stdout
+    assert "--cluster" in top.split("\n    demo ", 1)[1].split("\n    patch-store")[0]
+
+
+def test_a_stray_flag_shows_the_usage_of_its_command():
+    r = _coxswain("serve", "--bogus-flag")
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: coxswain serve ")
+    assert (
+        r.stderr.splitlines()[-1] == "coxswain serve: error: unrecognized arguments: --bogus-flag"
+    )
+
+
 def test_demo_runs_on_the_embedded_default(tmp_path):
     r = _coxswain("demo", "--model-dir", str(tmp_path / "demo"), "--device", "cpu")
     assert r.returncode == 0, r.stderr
@@ -246,24 +300,51 @@ def _frontend_processes() -> list:
     return found
 
 
+def _ray_token_file() -> Path:
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+
+
+def _served_metrics(host: str, port: int) -> bool:
+    try:
+        r = httpx.get(f"http://{host}:{port}/metrics", timeout=2)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and "# TYPE" in r.text
+
+
 def test_up_status_down(tmp_path, other_ray_head):
     home = tmp_path / "home"
     env = _home_env(home)
     ports = [str(free_port()) for _ in range(3)]
     up_args = ["up", "--tiny", "--device", "cpu", "--num-cpus", "2", "--port", ports[0],
                "--grpc-port", ports[1], "--controller-grpc-port", ports[2]]  # fmt: skip
+    token = _ray_token_file()
+    if token.is_file():
+        token.chmod(0o644)  # as an older Ray left it
     try:
         r = _coxswain(*up_args, env=env)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "listening  127.0.0.1" in r.stdout
         first_keys = _printed_keys(r.stdout)
         assert set(first_keys) == {"admin", "read"}
+        # Serve's "Connecting to existing Serve app" is not true of a fresh cluster.
+        assert "existing Serve app" not in r.stdout + r.stderr
 
         # Secrets are private from the first byte; the directory is the user's alone.
         cluster = home / "cluster"
         assert stat.S_IMODE(cluster.stat().st_mode) == 0o700
-        for name in ("state.json", "api_keys", "redis.conf"):
+        for name in ("state.json", "api_keys", "redis.conf", "redis.log", "redis.pid"):
             assert stat.S_IMODE((cluster / name).stat().st_mode) == 0o600, name
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+
+        # A second `up` (with --new-keys too) is refused while this cluster runs; the keys stay.
+        for extra in ([], ["--new-keys"]):
+            again = _coxswain(*up_args, *extra, env=env)
+            assert again.returncode == 2, again.stdout + again.stderr
+            (line,) = again.stderr.splitlines()
+            assert f"the cluster from {cluster} is already running" in line
+            assert "`coxswain down` stops it" in line
+        assert all(key in (cluster / "api_keys").read_text() for key in first_keys.values())
 
         # Redis has a password: an unauthenticated LPUSH onto an action queue is refused.
         state = json.loads((cluster / "state.json").read_text())
@@ -277,11 +358,22 @@ def test_up_status_down(tmp_path, other_ray_head):
         assert "***" in r.stdout and url.password not in r.stdout
 
         # Every server listens where `up` says: loopback, and nowhere else.
+        outside = _outside_ip()
         for port in ports:
             assert _accepts("127.0.0.1", int(port)), port
-            outside = _outside_ip()
             if outside is not None:
                 assert not _accepts(outside, int(port)), (outside, port)
+        # Ray's Prometheus exporters (no token) answer on loopback only.
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for proc in local._ray_processes(state)
+            for c in proc.net_connections()
+            if c.status == "LISTEN"
+        }
+        loopback = [port for ip, port in listening if _served_metrics("127.0.0.1", port)]
+        assert len(loopback) >= 2, listening  # the metrics agent's, the dashboard's, ...
+        if outside is not None:
+            assert [p for _, p in listening if _served_metrics(outside, p)] == []
 
         # HTTP comes from the Gateway's front-end processes, each linked to the engine.
         frontends = _frontend_processes()
@@ -297,7 +389,11 @@ def test_up_status_down(tmp_path, other_ray_head):
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
 
         # A front end that dies: the other serves on; Serve replaces the Gateway replica,
-        # whose new front ends take the port again.
+        # whose new front ends take the port again, and check the keys `up` read, though
+        # their file is gone (the replicas have them from the cluster, not the file).
+        keys_file = cluster / "api_keys"
+        kept_keys = keys_file.read_text()
+        keys_file.unlink()
         frontends[0].kill()
         done = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
         assert done.status_code == 200
@@ -310,6 +406,10 @@ def test_up_status_down(tmp_path, other_ray_head):
         while httpx.get(base + "/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.5)
+        done = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert done.status_code == 200, done.text
+        assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 401
+        keys_file.write_text(kept_keys)  # back, for the checks of `down` below
 
         s = _coxswain("status", "--json", env=env)
         assert s.returncode == 0, s.stdout + s.stderr
@@ -317,6 +417,17 @@ def test_up_status_down(tmp_path, other_ray_head):
         assert report["running"] is True
         assert report["grpc"].endswith("listening") and report["controller"].endswith("listening")
         assert report["redis"].endswith("ok") and report["ray_head_processes"] > 0
+        assert (report["state"], report["degraded"]) == ("up", [])
+
+        # A Redis that does not answer: degraded, naming it, and not "up".
+        redis_proc = ray_psutil().Process(state["redis_pid"])
+        redis_proc.suspend()
+        try:
+            s = _coxswain("status", env=env)
+        finally:
+            redis_proc.resume()
+        assert s.returncode == 1, s.stdout + s.stderr
+        assert s.stdout.splitlines()[0] == "coxswain is degraded: redis not answering"
 
         # `down` stops this cluster's Ray and Redis, and leaves another Ray on the host alone.
         d = _coxswain("down", env=env)

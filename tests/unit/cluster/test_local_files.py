@@ -15,10 +15,10 @@ from services.cluster.local import (
     _api_keys,
     _private_dir,
     _redacted,
-    check_model_dir,
     write_private,
 )
 from services.common.errors import CheckpointError, InvalidRequestError
+from services.common.paths import check_model_dir
 
 
 def mode(path) -> int:
@@ -50,12 +50,13 @@ def test_the_cluster_directory_is_the_users_alone(tmp_path):
 
 
 def test_keys_are_kept_until_new_keys(tmp_path):
-    path, first = _api_keys(UpOptions(), tmp_path)
-    assert set(first) == {"admin", "read"} and mode(tmp_path / "api_keys") == 0o600
-    assert _api_keys(UpOptions(), tmp_path) == (path, first)
-    _, renewed = _api_keys(UpOptions(new_keys=True), tmp_path)
-    assert renewed["admin"] != first["admin"] and renewed["read"] != first["read"]
-    assert _api_keys(UpOptions(), tmp_path)[1] == renewed
+    first = _api_keys(UpOptions(), tmp_path)
+    assert set(first.printed) == {"admin", "read"} and mode(tmp_path / "api_keys") == 0o600
+    assert first.text == (tmp_path / "api_keys").read_text()
+    assert _api_keys(UpOptions(), tmp_path) == first
+    renewed = _api_keys(UpOptions(new_keys=True), tmp_path).printed
+    assert renewed["admin"] != first.printed["admin"] and renewed["read"] != first.printed["read"]
+    assert _api_keys(UpOptions(), tmp_path).printed == renewed
 
 
 def test_an_unusable_keys_file_is_named_not_replaced(tmp_path):
@@ -65,9 +66,30 @@ def test_an_unusable_keys_file_is_named_not_replaced(tmp_path):
     assert (tmp_path / "api_keys").read_text() == "admin:admin:short\n"
 
 
-def test_a_given_keys_file_is_used_as_is(tmp_path):
-    assert _api_keys(UpOptions(api_keys_file="/etc/keys"), tmp_path) == ("/etc/keys", {})
-    assert not (tmp_path / "api_keys").exists()
+def test_a_given_keys_file_is_used_as_is_and_checked_at_once(tmp_path):
+    given = tmp_path / "mine"
+    given.write_text("me:admin:" + "m" * 20 + "\n")
+    keys = _api_keys(UpOptions(api_keys_file=str(given)), tmp_path / "cluster")
+    assert (keys.file, keys.text, keys.printed) == (str(given), given.read_text(), {})
+    assert not (tmp_path / "cluster" / "api_keys").exists()
+    with pytest.raises(InvalidRequestError, match=r"--api-keys-file .*missing: No such file"):
+        _api_keys(UpOptions(api_keys_file=str(tmp_path / "missing")), tmp_path)
+    given.write_text("me:admin:short\n")
+    with pytest.raises(InvalidRequestError, match=r"--api-keys-file .*shorter than 16"):
+        _api_keys(UpOptions(api_keys_file=str(given)), tmp_path)
+
+
+def test_the_apps_keys_need_no_file_once_up_has_read_them(tmp_path):
+    """What `up` passes the Serve application: a replica that starts after the keys file
+    is gone (Serve restarting it) still checks the same keys."""
+    from services.gateway.serve_app import AppArgs
+
+    keys = _api_keys(UpOptions(), tmp_path)
+    args = AppArgs.model_validate({"api_keys": keys.text, "allow_no_auth": False})
+    (tmp_path / "api_keys").unlink()
+    restarted = AppArgs.model_validate(args.model_dump()).keys()
+    assert restarted.check(f"Bearer {keys.printed['admin']}", "admin").name == "admin"
+    assert keys.printed["admin"] not in repr(args)  # the secrets stay out of logs
 
 
 def test_the_printed_redis_url_hides_the_password():
