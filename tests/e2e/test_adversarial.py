@@ -10,7 +10,11 @@ engine gRPC front, the controller and the patch store) is probed on every port i
   checked both ways (a read key is refused there and accepted everywhere else).
 * **Bad-input corpus.** Malformed, hostile and out-of-range inputs over HTTP and gRPC, then
   a bounded schemathesis run against the real Serve app: always a 4xx (never a 5xx), an
-  error body naming the cause with no traceback text, and the service serves on.
+  error body naming the cause with no traceback text, and the service serves on. What one
+  front refuses, the other refuses too (identifiers, chat roles, an empty global spec).
+* **Slow bodies and a store outage.** Sockets that send part of a body and stall get a 408
+  and a closed connection while `/health` answers; with Redis down, the steering state
+  keeps its shape.
 
 What the cluster keeps through actor deaths is measured by `benchmarks/chaos.py`.
 """
@@ -20,8 +24,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -48,6 +55,7 @@ READ_KEY = "adv-read-" + secrets.token_hex(16)
 WRONG_KEY = "adv-wrong-" + secrets.token_hex(16)
 MAX_MODEL_LEN = 64  # bounds what any request here (fuzzed ones included) can cost
 BODY_LIMIT = 2**20  # the gateway's body cap (max_body_bytes), small to keep the test cheap
+BODY_TIMEOUT_S = 3.0  # the gateway's body_timeout_s, short to keep the test quick
 H = 64  # the tiny llama's hidden size
 LAYERS = 2
 
@@ -152,6 +160,7 @@ def cluster(tiny_checkpoint, tmp_path_factory) -> Iterator[dict[str, Any]]:
         redis_password=secrets.token_hex(16),  # as `coxswain up` starts it
         engine={"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16},
         max_body_bytes=BODY_LIMIT,
+        body_timeout_s=BODY_TIMEOUT_S,
     ) as app:
         store = ray.get_actor(serve_app.PATCH_STORE_ACTOR, namespace="coxswain")
         controller = ray.get_actor(serve_app.CONTROLLER_ACTOR, namespace="coxswain")
@@ -161,6 +170,7 @@ def cluster(tiny_checkpoint, tmp_path_factory) -> Iterator[dict[str, Any]]:
             "controller": ray.get(controller.grpc_address.remote(), timeout=60),
             "patch_store": ray.get(store.address.remote(), timeout=60),
             "body_limit": BODY_LIMIT,
+            "redis": app["redis"],
         }
 
 
@@ -413,6 +423,7 @@ def _steer(vector: Any, layers: list[int] | None = None, **more: Any) -> dict:
 VEC = [0.01] * H
 NAME_129 = "a" * 129
 RUN_10K = "r" * 10_000
+EMOJI = "\N{GRINNING FACE}"
 NAN, INF = float("nan"), float("inf")
 CMP, CHAT, SWEEP, VECS = "/v1/completions", "/v1/chat/completions", "/v1/patch_sweep", "/v1/vectors"
 PUT_VEC = _body(value=VEC)
@@ -464,7 +475,8 @@ HTTP_CORPUS: list[tuple[str, str, str, dict, int | None]] = [
     ("vector name with markup", "PUT", f"{VECS}/%3Cscript%3E", PUT_VEC, 400),
     ("vector name non-ASCII", "PUT", f"{VECS}/%C3%A4%E2%80%AE", PUT_VEC, 400),
     ("vector name surrogate", "PUT", f"{VECS}/%ED%A0%80", PUT_VEC, 400),
-    ("129-char name in steering", "POST", CMP, _comp(steering=_steer(NAME_129)), None),
+    ("129-char name in steering", "POST", CMP, _comp(steering=_steer(NAME_129)), 400),
+    ("vector name with newline in steering", "POST", CMP, _comp(steering=_steer("a\nb")), 400),
     # vectors: values and shapes
     ("NaN vector", "PUT", f"{VECS}/adv-nan", _raw({"value": [NAN] * H}), 400),
     ("Infinity vector", "PUT", f"{VECS}/adv-inf", _raw({"value": [INF] * H}), 400),
@@ -502,11 +514,26 @@ HTTP_CORPUS: list[tuple[str, str, str, dict, int | None]] = [
     # run ids
     ("10k-char run id drop", "DELETE", f"/v1/patch_source/{RUN_10K}", {}, None),
     ("10k-char run id patch", "POST", CMP,
-     _comp(patch=[{"layer": 0, "position": 0, "source": {"run": RUN_10K, "position": 0}}]), None),
+     _comp(patch=[{"layer": 0, "position": 0, "source": {"run": RUN_10K, "position": 0}}]), 400),
     ("10k-char capture run", "POST", CMP,
      _comp(capture={"sites": {"post_block": [0]}, "sink": "patch_store", "run": RUN_10K}), 400),
     ("10k-char sweep source", "POST", SWEEP,
-     _body(corrupt_prompt="a b c", answer_token=5, source_run=RUN_10K), None),
+     _body(corrupt_prompt="a b c", answer_token=5, source_run=RUN_10K), 400),
+    ("capture run naming a version", "POST", CMP,
+     _comp(capture={"sites": {"post_block": [0]}, "sink": "patch_store", "run": "x@125"}), 400),
+    ("capture run with newline", "POST", CMP,
+     _comp(capture={"sites": {"post_block": [0]}, "sink": "patch_store", "run": "a\nb"}), 400),
+    ("capture run with emoji", "POST", CMP,
+     _comp(capture={"sites": {"post_block": [0]}, "sink": "patch_store", "run": EMOJI}), 400),
+    ("10k-emoji readout name", "POST", CMP,
+     _comp(readouts=[{"probe": VEC, "layer": 0, "name": EMOJI * 10_000}]), 400),
+    ("readout name with newline", "POST", CMP,
+     _comp(readouts=[{"probe": VEC, "layer": 0, "name": "a\nb"}]), 400),
+    # what the gRPC front refuses
+    ("chat role root", "POST", CHAT,
+     _body(messages=[{"role": "root", "content": "hi"}], max_tokens=2), 400),
+    ("empty global spec", "POST", "/v1/steering/set", {"json": {}}, 400),
+    ("global spec with no vectors", "POST", "/v1/steering/set", {"json": {"vectors": []}}, 400),
     ("unknown run drop", "DELETE", f"/v1/patch_source/{A_RUN}", {}, 404),
     ("unknown patch run", "POST", CMP,
      _comp(patch=[{"layer": 0, "position": 0, "source": {"run": A_RUN, "position": 0}}]), 404),
@@ -586,6 +613,10 @@ def _grpc_corpus() -> list[tuple[str, str, str, Any]]:
             return st.RegisterVectorRequest(name=name, path=path)
         return st.RegisterVectorRequest(name=name, vector=_tensor(values or VEC))
 
+    def capture(run: str) -> Any:
+        layers = pb.CaptureLayers(layers=[0])
+        return pb.CaptureSpec(sites={"post_block": layers}, sink="patch_store", run=run)
+
     ids = pb.TokenIds
     E, S = "coxswain.v1.Engine", "coxswain.v1.Steering"
     # fmt: off
@@ -607,6 +638,16 @@ def _grpc_corpus() -> list[tuple[str, str, str, Any]]:
         ("129-char name in steering", E, "Generate",
          gen(steering=steer([0], pb.VectorValue(name=NAME_129)))),
         ("abort without id", E, "Abort", pb.AbortRequest()),
+        # what the HTTP front refuses
+        ("chat role root", E, "Generate",
+         gen(pb.Prompt(chat=pb.Chat(messages=[pb.ChatMessage(role="root", content="hi")])))),
+        ("capture run naming a version", E, "Generate", gen(capture=capture("x@125"))),
+        ("capture run with newline", E, "Generate", gen(capture=capture("a\nb"))),
+        ("capture run with emoji", E, "Generate", gen(capture=capture(EMOJI))),
+        ("readout name with emoji", E, "Generate",
+         gen(readouts=[pb.Readout(probe=ok_vec, layer=0, name=EMOJI * 8)])),
+        ("vector name with newline in steering", E, "Generate",
+         gen(steering=steer([0], pb.VectorValue(name="a\nb")))),
         ("129-char vector name", S, "RegisterVector", register(NAME_129)),
         ("vector name with space", S, "RegisterVector", register("has space")),
         ("vector name with newline", S, "RegisterVector", register("a\nb")),
@@ -673,6 +714,69 @@ def test_fuzzed_requests_never_get_a_5xx(case, cluster):
         checks=[not_a_server_error, no_traceback_in_errors],
         timeout=60,
     )
+
+
+# -- slow bodies, and the cluster store away ------------------------------------------------------
+
+
+def _stalled_completion(cluster: dict) -> socket.socket:
+    """A connection that sent a completion's headers (a valid key, a 1,000-byte body
+    declared) and 10 bytes of the body, then stalls."""
+    parts = urlsplit(cluster["http"])
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=120)
+    sock.sendall(
+        (
+            "POST /v1/completions HTTP/1.1\r\n"
+            f"Host: {parts.netloc}\r\nAuthorization: Bearer {READ_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            '{"prompt":'
+        ).encode()
+    )
+    return sock
+
+
+def test_stalled_bodies_get_a_408_and_a_close_while_health_answers(cluster, admin):
+    """Sockets that declare a body, send part of it and stall used to hold the gateway:
+    every completion and `/health` timed out while they stood, and a stalled one got no
+    reply and no close. Each now gets a 408 once body_timeout_s has passed, and its
+    connection closes (recv ends); meanwhile the service answers."""
+    stalled = [_stalled_completion(cluster) for _ in range(32)]
+    try:
+        assert admin.get("/health").status_code == 200
+        r = admin.post("/v1/completions", json=_gen())
+        assert r.status_code == 200, r.text
+        for sock in stalled:
+            reply = b""
+            while chunk := sock.recv(65536):  # socket.timeout: neither a reply nor a close
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+            assert b"body_timeout_s" in reply and not _leaks(reply.decode()), reply[:400]
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_the_steering_state_keeps_its_shape_while_redis_is_down(cluster, admin):
+    """The cluster view always has `version` and `replicas`: null, with `store_error`
+    saying why, while the cluster store does not answer (the replica's own view shows)."""
+    redis = cluster["redis"]
+    redis.stop()
+    try:
+        r = admin.get("/v1/steering")
+        assert r.status_code == 200, r.text
+        view = r.json()["cluster"]
+        assert view["version"] is None and view["replicas"] is None, view
+        assert "Redis" in view["store_error"] and not _leaks(view["store_error"]), view
+        assert view["replica"] and view["applied_version"] is not None, view
+    finally:
+        redis.start()  # empty: the replicas seed it again from what they hold
+    deadline = time.monotonic() + 120
+    while (r := admin.post("/v1/steering/clear")).status_code == 503:  # not seeded yet
+        assert time.monotonic() < deadline, f"the cluster did not recover: {r.text}"
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    view = r.json()["cluster"]
+    assert view["version"] is not None and not view["store_error"], view
 
 
 # -- and afterwards, nothing was lost -----------------------------------------------------------
