@@ -8,7 +8,10 @@ advanced), or any thread through `submit()`'s callback. Listeners see every step
 
 String prompts are tokenized before they reach the engine thread (in a worker thread for
 `generate`, in the caller's thread for `submit`): tokenizing a long prompt takes a while,
-and on the engine thread it would stall every other request's steps.
+and on the engine thread it would stall every other request's steps. For the same reason a
+request `admit` takes is resolved (its steering, captures, read-outs and patch sources:
+about a millisecond for a steered request, a store round trip for a patch) on an admission
+thread, and the engine thread only queues the resolved request between steps.
 """
 
 from __future__ import annotations
@@ -98,6 +101,10 @@ class AsyncLLM:
         # Requests to admit and aborts, handed to the engine thread (see `admit`).
         self._inbox_lock = threading.Lock()
         self._admissions: deque[tuple] = deque()
+        # Resolves admitted requests off the engine thread; one worker keeps their order.
+        self._admission_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="coxswain-admit"
+        )
         self._aborts: deque[str] = deque()
         self._listeners: list[Listener] = []
         self._ids = itertools.count()
@@ -148,18 +155,44 @@ class AsyncLLM:
         params: SamplingParams | None,
         deliver: Deliver | DeltaStream,
     ) -> concurrent.futures.Future:
-        """Hand a request to the engine thread, which admits it between steps; the future
-        completes once it is admitted (or fails with why not). Admission (resolving
-        steering, patches, captures) never runs on a caller's thread, so an event loop never
-        waits for the engine lock while a step holds it. `deliver` is a callback (called in
-        the engine thread) or a `DeltaStream`."""
+        """Resolve a request on the admission thread, then hand it to the engine thread,
+        which queues it between steps; the future completes once it is queued (or fails
+        with why not). Neither runs on a caller's thread, so an event loop never waits for
+        the engine lock while a step holds it, nor does the engine thread spend a step's
+        time resolving specs. `deliver` is a callback (called in the engine thread) or a
+        `DeltaStream`."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
         admitted: concurrent.futures.Future = concurrent.futures.Future()
-        with self._inbox_lock:
-            self._admissions.append((request_id, prompt, text, params, deliver, admitted))
-        self._wake.set()
+        self._admission_thread.submit(
+            self._resolve, request_id, prompt, text, params, deliver, admitted
+        )
         return admitted
+
+    def _resolve(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        text: str | None,
+        params: SamplingParams | None,
+        deliver: Deliver | DeltaStream,
+        admitted: concurrent.futures.Future,
+    ) -> None:
+        """Admission thread: resolve the request, then queue it for the engine thread."""
+        if self._stopped:
+            admitted.set_exception(RuntimeError("AsyncLLM is shut down"))
+            return
+        try:
+            group = self.engine.prepare_request(request_id, prompt, params, text=text)
+        except BaseException as exc:  # bad input: the caller gets why
+            admitted.set_exception(exc)
+            return
+        with self._inbox_lock:
+            if self._stopped:
+                admitted.set_exception(RuntimeError("AsyncLLM is shut down"))
+                return
+            self._admissions.append((group, deliver, admitted))
+        self._wake.set()
 
     async def generate(
         self,
@@ -249,9 +282,11 @@ class AsyncLLM:
         with self._inbox_lock:
             admissions, self._admissions = self._admissions, deque()
             aborts, self._aborts = self._aborts, deque()
-        for rid, prompt, text, params, deliver, admitted in admissions:
+        for group, deliver, admitted in admissions:
             try:
-                self._add(rid, prompt, text, params, deliver)
+                with self._lock:
+                    self.engine.add_prepared(group)
+                    self._deliver[group.request_id] = deliver
             except BaseException as exc:
                 admitted.set_exception(exc)
             else:
@@ -293,8 +328,10 @@ class AsyncLLM:
         return RuntimeError(f"engine step failed: {exc}")
 
     def shutdown(self) -> None:
-        self._stopped = True
+        with self._inbox_lock:
+            self._stopped = True
         self._wake.set()
+        self._admission_thread.shutdown(wait=False)  # what it still holds fails: stopped
         self._thread.join(timeout=10)
         with self._inbox_lock:
             for *_, admitted in self._admissions:

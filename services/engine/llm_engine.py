@@ -249,21 +249,46 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (and changes nothing) on bad input."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        text: str | None = None,
+    ) -> RequestGroup:
+        """The part of admitting a request that changes no engine state: tokenize, validate,
+        resolve its steering, captures, read-outs and patch sources (reading the vector
+        registry and the patch store). Safe on another thread while the engine steps, so a
+        server resolves requests off the engine's thread (`AsyncLLM.admit`); `add_prepared`
+        queues the result. Raises InvalidRequestError on bad input. `text`: what a token-id
+        `prompt` was encoded from, for the outputs."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
-        text, ids = self.encode(prompt)
+        encoded_text, ids = self.encode(prompt)
         self.validate(ids, params)
         group = RequestGroup(
             request_id=request_id,
-            prompt=text,
+            prompt=text if text is not None else encoded_text,
             prompt_token_ids=ids,
             params=params,
             arrival_time=arrival_time or time.time(),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
         )
-        self.interventions.prepare(group)  # resolves steering/capture/readouts, or raises
-        if params.adapter is not None:
+        self.interventions.resolve(group)  # steering/capture/readouts/patches, or raises
+        return group
+
+    def add_prepared(self, group: RequestGroup) -> None:
+        """Queue a request `prepare_request` resolved (on the engine's thread, between
+        steps): what depends on engine state a step or an action may have changed since
+        (the global steering its cache signatures fold in, the adapter bank) is done here."""
+        if group.request_id in self.requests:
+            raise DuplicateRequestError(f"request id {group.request_id!r} is already in use")
+        self.interventions.refresh_sigs(group)
+        if group.params.adapter is not None:
             self._bind_adapter(group)
         if self.sync is not None:
             self.sync.record_request(group)

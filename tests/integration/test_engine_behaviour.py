@@ -318,3 +318,55 @@ def test_async_llm_streams_and_matches_offline(model_dir, alone):
         assert sum(lengths) == len(ref) and len(lengths) > 1  # each delta: its steps' tokens
         assert final.finished and final.outputs[0].token_ids == ref
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+# -- admission resolved off the engine thread ---------------------------------------------
+
+
+def _steered_logprobs(engine: LLMEngine, rid: str) -> list[float]:
+    """Run to completion; the request's chosen tokens' logprobs."""
+    totals, out = OutputAccumulator(), None
+    while engine.has_unfinished_requests():
+        for o in totals.finished(engine.step()):
+            if o.request_id == rid:
+                out = o
+    assert out is not None
+    return [next(iter(lp.values())) for lp in out.outputs[0].logprobs]
+
+
+def test_a_request_resolved_before_a_global_steering_change_runs_under_the_new_one(
+    model_dir,
+):
+    """`prepare_request` (which `AsyncLLM` runs off the engine thread) resolves a request;
+    `add_prepared` queues it under the global steering of that moment. A request resolved
+    before a change and queued after it runs exactly as one added after it, even with the
+    unsteered prompt already in the prefix cache (whose signature must not match)."""
+    hidden = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+    H = hidden.model_config.hidden_size
+    steer = {"vectors": [{"site": "post_block", "layers": [0], "vector": [0.5] * H, "scale": 4.0}]}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompt = list(range(5, 45))  # whole KV blocks, cacheable
+
+    def warm_engine() -> LLMEngine:
+        engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+        engine.add_request("plain", prompt, params)
+        _drain(engine)  # the unsteered prompt's blocks are cached now
+        return engine
+
+    engine = warm_engine()
+    plain = engine.prepare_request("early", prompt, params)
+    engine.set_global_steering(steer)
+    engine.step()  # the update lands at the top of a step
+    engine.add_prepared(plain)
+    early = _steered_logprobs(engine, "early")
+
+    reference = warm_engine()
+    reference.set_global_steering(steer)
+    reference.step()
+    reference.add_request("late", prompt, params)
+    late = _steered_logprobs(reference, "late")
+
+    unsteered = warm_engine()
+    unsteered.add_request("none", prompt, params)
+    assert early == late
+    assert early != _steered_logprobs(unsteered, "none")

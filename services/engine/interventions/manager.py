@@ -214,7 +214,15 @@ class InterventionManager:
     # -- requests -------------------------------------------------------------------------
 
     def prepare(self, group: RequestGroup) -> None:
-        """Resolve the request's spec (InvalidRequestError on bad input; nothing changes)."""
+        """Resolve the request's spec (InvalidRequestError on bad input; nothing changes)
+        and sign it against the current global steering."""
+        self.resolve(group)
+        self.refresh_sigs(group)
+
+    def resolve(self, group: RequestGroup) -> None:
+        """Resolve the request's spec into `group.interventions` (InvalidRequestError on bad
+        input). Reads the vector registry and the patch store but changes no engine state,
+        so it may run off the engine's thread; `refresh_sigs` follows on it."""
         p = group.params
         steering = parse_steering(p.steering)
         capture = parse_capture(p.capture)
@@ -237,7 +245,6 @@ class InterventionManager:
                 group.patch_sig = iv.patches.digest
                 iv.patches = self._on_device(iv.patches)
         group.interventions = iv
-        self._refresh_sigs(group)
 
     def _resolve_patches(self, entries: list, num_prompt_tokens: int) -> ResolvedPatches:
         """Lease the runs the patches read (at most once per run per half lease), then fetch."""
@@ -337,7 +344,7 @@ class InterventionManager:
             np.int64,
         )  # fmt: skip
         iv.has_rows = True
-        self._refresh_sigs(seq.group)
+        self.refresh_sigs(seq.group)
         return True
 
     def _acquire_shared(self, content: RowContent) -> int:
@@ -533,7 +540,7 @@ class InterventionManager:
         elif a.tier == "dynamic":
             group, iv = self._request(a.request_id, "SteeringScaleUpdate")
             iv.dyn_gain = a.scale
-            self._refresh_sigs(group)
+            self.refresh_sigs(group)
         else:
             group, iv = self._request(a.request_id, "SteeringScaleUpdate")
             if iv.decode_content.is_empty:
@@ -549,7 +556,7 @@ class InterventionManager:
                 self._install_override(group, iv, iv.decode_content, "SteeringScaleUpdate")
             assert iv.override_row is not None
             self.tables.set_row_scale(iv.override_row, a.scale)
-            self._refresh_sigs(group)
+            self.refresh_sigs(group)
 
     def _apply_override(self, a: RequestSteeringOverride) -> None:
         group, iv = self._request(a.request_id, "RequestSteeringOverride")
@@ -569,7 +576,7 @@ class InterventionManager:
                     )
                 content = self.resolver.steering(spec).decode
             self._install_override(group, iv, content, "RequestSteeringOverride")
-        self._refresh_sigs(group)
+        self.refresh_sigs(group)
 
     def _install_override(
         self, group: RequestGroup, iv: RequestInterventions, content: RowContent, what: str
@@ -633,9 +640,10 @@ class InterventionManager:
             parts += ["mon", key, t.monitors[key], t.mon_probe[key[1]][key[0]].float().cpu()]
         self._decode_env = digest(*parts) if parts else b""
         for group in self.requests.values():
-            self._refresh_sigs(group)
+            self.refresh_sigs(group)
 
-    def _refresh_sigs(self, group: RequestGroup) -> None:
+    def refresh_sigs(self, group: RequestGroup) -> None:
+        """The request's prefix-cache signatures under the current global steering."""
         iv = group.interventions
         own_prefill = iv.steering.prefill.digest if iv and iv.steering else b""
         group.prefill_sig = (
