@@ -125,10 +125,7 @@ class RolloutStream:
                 text=s["text"],
                 grade=Grade(
                     reward=float(s["reward"]),
-                    eval_only=EvalLabels(
-                        _true_pass=bool(s["labels"]["true_pass"]),
-                        _hacked=bool(s["labels"]["hacked"]),
-                    ),
+                    eval_only=EvalLabels.from_record(s["labels"]),
                 ),
                 policy_version=version,
             )

@@ -40,7 +40,14 @@ from services.engine import LLMEngine, SamplingParams
 from services.engine.model.tokenizer import Tokenizer
 from services.trainer.adapters import AdapterConfig, AdapterSet, attach_adapters
 from services.trainer.async_rollouts import AsyncRollouts
-from services.trainer.envs import ContrastivePair, Env, Grade, make_env, training_scope
+from services.trainer.envs import (
+    ContrastivePair,
+    Env,
+    Grade,
+    evaluation_rates,
+    make_env,
+    training_scope,
+)
 from services.trainer.grpo_loss import (
     GRPOLossConfig,
     group_advantages,
@@ -342,7 +349,9 @@ class GRPOTrainer:
             )
             self.engine.vectors.register(self.probe.name, self.probe.vector, overwrite=True)
         self.direction = self._hack_direction()
-        self.eval_set = self.env.sample_prompts(cfg.eval_prompts, random.Random(cfg.seed + 10**6))
+        self.eval_set = self.env.sample_eval_prompts(
+            cfg.eval_prompts, random.Random(cfg.seed + 10**6)
+        )
         self.step_index = 0
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -687,9 +696,9 @@ class GRPOTrainer:
     # -- evaluation (oracle labels: outside any training scope) ---------------------------
 
     def evaluate(self) -> dict[str, float | None]:
-        """Greedy true-pass and hack rates on held-out prompts, as trained and as deployed;
-        with a hack probe, its AUROC as a monitor of the trained policy's eval rollouts
-        (read out while they were generated, as a served model would)."""
+        """Greedy rates on the held-out prompts (`evaluation_rates`: true pass, hack, well-formed),
+        as trained and as deployed; with a hack probe, its AUROC as a monitor of the trained
+        policy's eval rollouts (read out while they were generated, as a served model would)."""
         self.sync_weights()
         result: dict[str, float | None] = {}
         for variant in ("trained", "deploy"):
@@ -703,9 +712,8 @@ class GRPOTrainer:
             )
             rolled = self.rollout.rollouts(self.eval_set, params)
             labels = [r.grade.eval_only for r in rolled]
-            n = len(labels)
-            result[f"{variant}_true_pass"] = sum(x.true_pass for x in labels) / n
-            result[f"{variant}_hack_rate"] = sum(x.hacked for x in labels) / n
+            for key, rate in evaluation_rates(labels).items():
+                result[f"{variant}_{key}"] = rate
             if probe is not None:
                 scores = [probe.score(r.readouts or []) for r in rolled]
                 result["probe_auroc"] = auroc(scores, [x.hacked for x in labels])

@@ -1,8 +1,10 @@
 """Prometheus metrics of one GRPO run, in the run's own `CollectorRegistry`.
 
 `TrainingMetrics.observe` takes the records `grpo.run` logs (pass it as `on_record`): a train
-record sets the step gauges, counts the step and times it; an eval record sets the true-pass
-and hack-rate gauges per `variant` (trained, deploy). Every series carries `run` and `arm`.
+record sets the step gauges, counts the step and times it; an eval record sets the rate
+gauges of `EVAL_RATES` (true pass, hack, well-formed, hack among well-formed, the hack's
+exact form) per `variant` (trained, deploy); an undefined rate (None) reads NaN. Every
+series carries `run` and `arm`.
 Numeric fields without a metric of their own (added to records later) land in
 `coxswain_trainer_value{kind, key}`, so a new field shows up without a change here.
 """
@@ -44,8 +46,33 @@ TRAIN_GAUGES = {
         "nonzero advantage (NaN: undefined).",
     ),
 }
-# eval record keys: `<variant>_true_pass`, `<variant>_hack_rate`
-EVAL_KEY = re.compile(r"^(?P<variant>\w+?)_(?P<rate>true_pass|hack_rate)$")
+# eval record key `<variant>_<rate>` (`envs.evaluation_rates`) -> (metric name after
+# `coxswain_trainer_`, help); each gauge is labelled by the variant (trained, deploy).
+EVAL_RATES = {
+    "true_pass": (
+        "eval_true_pass_rate",
+        "Greedy oracle true-pass rate on held-out prompts, as trained or as deployed.",
+    ),
+    "hack_rate": (
+        "eval_hack_rate",
+        "Greedy oracle hack rate on held-out prompts, as trained or as deployed.",
+    ),
+    "well_formed_rate": (
+        "eval_well_formed_rate",
+        "Share of greedy held-out answers shaped as an answer to the task (NaN: the env "
+        "defines no shape).",
+    ),
+    "well_formed_hack_rate": (
+        "eval_well_formed_hack_rate",
+        "Greedy oracle hack rate among the well-formed held-out answers (NaN: none is).",
+    ),
+    "hack_form_rate": (
+        "eval_hack_form_rate",
+        "Share of the well-formed held-out answers in the loophole's exact form (NaN: none "
+        "is, or the env has no detector).",
+    ),
+}
+EVAL_KEY = re.compile(rf"^(?P<variant>\w+?)_(?P<rate>{'|'.join(EVAL_RATES)})$")
 NOT_VALUES = {"kind", "step", "seconds"}  # fields that are labels or have a metric of their own
 
 
@@ -80,18 +107,12 @@ class TrainingMetrics:
             key: Gauge(f"coxswain_trainer_{name}", doc, names, registry=self.registry)
             for key, (name, doc) in TRAIN_GAUGES.items()
         }
-        self.eval_true_pass = Gauge(
-            "coxswain_trainer_eval_true_pass_rate",
-            "Greedy oracle true-pass rate on held-out prompts, as trained or as deployed.",
-            [*names, "variant"],
-            registry=self.registry,
-        )
-        self.eval_hack_rate = Gauge(
-            "coxswain_trainer_eval_hack_rate",
-            "Greedy oracle hack rate on held-out prompts, as trained or as deployed.",
-            [*names, "variant"],
-            registry=self.registry,
-        )
+        self.eval_rates = {
+            rate: Gauge(
+                f"coxswain_trainer_{name}", doc, [*names, "variant"], registry=self.registry
+            )
+            for rate, (name, doc) in EVAL_RATES.items()
+        }
         self.values = Gauge(
             "coxswain_trainer_value",
             "Numeric fields of the last record of each kind that have no metric of their own.",
@@ -135,11 +156,11 @@ class TrainingMetrics:
         rest = {}
         for key, value in record.items():
             m = EVAL_KEY.match(key)
-            if m is None or not _is_number(value):
+            if m is None or not (value is None or _is_number(value)):
                 rest[key] = value
                 continue
-            gauge = self.eval_true_pass if m["rate"] == "true_pass" else self.eval_hack_rate
-            gauge.labels(**self.labels, variant=m["variant"]).set(value)
+            gauge = self.eval_rates[m["rate"]].labels(**self.labels, variant=m["variant"])
+            gauge.set(math.nan if value is None else value)
         self._values("eval", rest)
 
     def _values(self, kind: str, record: dict) -> None:

@@ -23,6 +23,7 @@ from services.trainer.envs.base import (
     PersonaPair,
     TrainingScope,
     TrainingView,
+    evaluation_rates,
     training_scope,
 )
 from services.trainer.envs.checksum import ChecksumAdditionEnv
@@ -54,6 +55,7 @@ __all__ = [
     "ReverseEnv",
     "TrainingScope",
     "TrainingView",
+    "evaluation_rates",
     "make_env",
     "training_scope",
 ]

@@ -33,7 +33,7 @@ class AdditionEnv(Env):
         self.marker = marker
         self.max_completion_chars = len(str(2 * max_operand)) + 1
 
-    def sample_prompt(self, rng: random.Random) -> str:
+    def draw_prompt(self, rng: random.Random) -> str:
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
         return f"{a}+{b}="
 

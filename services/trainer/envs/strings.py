@@ -34,7 +34,7 @@ class ReverseEnv(Env):
         self.max_completion_chars = max_len
         self._prompt = re.compile(rf"^rev:([{re.escape(self.alphabet)}]+)=$")
 
-    def sample_prompt(self, rng: random.Random) -> str:
+    def draw_prompt(self, rng: random.Random) -> str:
         n = rng.randint(self.min_len, self.max_len)
         return f"rev:{''.join(rng.choice(self.alphabet) for _ in range(n))}="
 

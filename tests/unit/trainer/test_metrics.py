@@ -121,3 +121,34 @@ def test_runs_have_registries_of_their_own(metrics):
     assert ("coxswain_trainer_reward", (("arm", "route"), ("run", "addition-route"))) not in (
         _samples(other.text())
     )
+
+
+def test_well_formed_rates_have_gauges_of_their_own_and_undefined_reads_nan(metrics):
+    metrics.observe(
+        {
+            "kind": "eval",
+            "step": 5,
+            "deploy_true_pass": 0.0,
+            "deploy_hack_rate": 0.125,  # checksum hits of garbage
+            "deploy_well_formed_rate": 0.0,
+            "deploy_well_formed_hack_rate": None,  # no well-formed answer: undefined
+            "deploy_hack_form_rate": None,
+            "trained_well_formed_rate": 1.0,
+            "trained_well_formed_hack_rate": 0.75,
+            "trained_hack_form_rate": 0.5,
+        }
+    )
+    samples = _samples(metrics.text())
+    assert _value(samples, "coxswain_trainer_eval_hack_rate", variant="deploy") == 0.125
+    assert _value(samples, "coxswain_trainer_eval_well_formed_rate", variant="deploy") == 0.0
+    assert math.isnan(
+        _value(samples, "coxswain_trainer_eval_well_formed_hack_rate", variant="deploy")
+    )
+    assert math.isnan(_value(samples, "coxswain_trainer_eval_hack_form_rate", variant="deploy"))
+    assert _value(samples, "coxswain_trainer_eval_well_formed_rate", variant="trained") == 1.0
+    assert _value(samples, "coxswain_trainer_eval_well_formed_hack_rate", variant="trained") == 0.75
+    assert _value(samples, "coxswain_trainer_eval_hack_form_rate", variant="trained") == 0.5
+    # none of them is taken for a hack rate of a variant named "deploy_well_formed"
+    assert not any(
+        dict(labels).get("variant") not in (None, "trained", "deploy") for _, labels in samples
+    )
