@@ -1,10 +1,12 @@
 """Statistics for the routing study: intervals, permutation tests, Holm's correction.
 
 Outcomes of GRPO seeds are bimodal and few, so the study reports each arm's mean with a 95%
-t-interval over its runs, and compares arms with a two-sided permutation test of the
-difference in means (no normality assumed), Holm-corrected over all the comparisons a table
-makes. The primary outcome is fixed before any run (README, "Routing study"): the deploy
-hack rate, among arms whose deploy true pass is at least vanilla's − 0.02.
+t-interval over its runs, and compares arms with a two-sided permutation test (no normality
+assumed), Holm-corrected over all the comparisons a table makes. Every arm of one (base,
+seed) shares its base, its evaluation prompts and its sampling seeds, so the test is paired:
+it permutes within each (base, seed) pair (flips the sign of the pair's difference), which
+takes the base-to-base and seed-to-seed spread out of the noise the difference is judged
+against.
 """
 
 from __future__ import annotations
@@ -46,17 +48,20 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> Interval:
     return Interval(mean, mean - half, mean + half, int(x.size))
 
 
-def permutation_p(
+def paired_permutation_p(
     a: Sequence[float], b: Sequence[float], *, seed: int = 0, resamples: int = 9999
 ) -> float:
-    """Two-sided p-value of the difference in means of `a` and `b`, by permuting the pooled
-    values (exact when there are fewer arrangements than `resamples`)."""
-    if len(a) < 1 or len(b) < 1:
-        raise InvalidRequestError("a permutation test needs values on both sides")
+    """Two-sided p-value of the mean paired difference `a[i] - b[i]`, by flipping the sign of
+    each pair's difference (exact, all 2^n flips, when 2^n <= `resamples`; else `resamples`
+    random flips)."""
+    if len(a) != len(b):
+        raise InvalidRequestError(f"paired values need equal lengths, got {len(a)} and {len(b)}")
+    if len(a) < 1:
+        raise InvalidRequestError("a permutation test needs at least one pair")
     result = stats.permutation_test(
         (np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)),
-        lambda x, y, axis: np.mean(x, axis=axis) - np.mean(y, axis=axis),
-        permutation_type="independent",
+        lambda x, y, axis: np.mean(x - y, axis=axis),
+        permutation_type="samples",
         alternative="two-sided",
         n_resamples=resamples,
         vectorized=True,
@@ -75,23 +80,30 @@ def holm(pvalues: dict[str, float]) -> dict[str, float]:
     return adjusted
 
 
+# A run's pairing key: (base, seed).
+RunKey = tuple[int, int]
+
+
 @dataclass(frozen=True)
 class Comparison:
-    """One arm against another on one outcome: the difference in means and its p-values."""
+    """One arm against another on one outcome, over the (base, seed) pairs both have: the mean
+    paired difference, the number of pairs and the p-values."""
 
     arm: str
     against: str
     difference: float
+    pairs: int
     p: float
     p_holm: float
 
 
 def compare_arms(
-    by_arm: dict[str, Sequence[float]], baseline: str = "none", placebo: str = "placebo"
+    by_arm: dict[str, dict[RunKey, float]], baseline: str = "none", placebo: str = "placebo"
 ) -> list[Comparison]:
     """Every arm against `baseline`, every other arm against `placebo`, and every arm "A"
-    against its rate-matched placebo "A~placebo", by permutation test, Holm-corrected over
-    that family (pairs whose reference arm is absent are left out)."""
+    against its rate-matched placebo "A~placebo", each by a paired permutation test over the
+    (base, seed) runs both arms have, Holm-corrected over that family. Pairs whose reference
+    arm is absent, or that share fewer than 2 runs, are left out."""
     matched = {a for a in by_arm if a.endswith("~placebo")}
     pairs = [(a, baseline) for a in by_arm if a != baseline and baseline in by_arm]
     pairs += [
@@ -100,14 +112,20 @@ def compare_arms(
         if a not in (baseline, placebo) and a not in matched and placebo in by_arm
     ]
     pairs += [(a, f"{a}~placebo") for a in by_arm if f"{a}~placebo" in by_arm]
-    raw = {pair: permutation_p(by_arm[pair[0]], by_arm[pair[1]], seed=i) for i, pair in
-           enumerate(pairs)}  # fmt: skip
+    shared = {(a, b): sorted(by_arm[a].keys() & by_arm[b].keys()) for a, b in pairs}
+    pairs = [pair for pair in pairs if len(shared[pair]) >= 2]
+    values = {
+        (a, b): ([by_arm[a][k] for k in shared[a, b]], [by_arm[b][k] for k in shared[a, b]])
+        for a, b in pairs
+    }
+    raw = {pair: paired_permutation_p(*values[pair], seed=i) for i, pair in enumerate(pairs)}
     adjusted = holm({f"{a}|{b}": p for (a, b), p in raw.items()})
     return [
         Comparison(
             a,
             b,
-            float(np.mean(by_arm[a]) - np.mean(by_arm[b])),
+            float(np.mean(np.subtract(*values[a, b]))),
+            len(shared[a, b]),
             raw[a, b],
             adjusted[f"{a}|{b}"],
         )

@@ -62,3 +62,88 @@ def test_resume_keeps_records_of_the_same_configuration_and_refuses_others(tmp_p
     with pytest.raises(SystemExit, match=r"another configuration.*'lr': \(0.5, 0.05\)"):
         study.earlier_records(path, common)
     assert study.earlier_records(tmp_path / "absent.jsonl", common) == []
+
+
+def test_the_readme_tables_are_the_ones_the_records_give():
+    """Every `<!-- routing-table:NAME -->` block of the README, regenerated from
+    docs/routing_study/*.jsonl (`--update-readme` rewrites them)."""
+    readme = (ROOT / "README.md").read_text()
+    for name, block in study.readme_tables().items():
+        assert study.readme_block(readme, name) == block, f"routing-table:{name} is stale"
+
+
+def test_update_readme_replaces_only_the_blocks_between_their_markers():
+    text = "a\n<!-- routing-table:x -->\nold\n<!-- /routing-table:x -->\nold\n"
+    new = study.update_readme(text, {"x": "new | table"})
+    assert new == "a\n<!-- routing-table:x -->\nnew | table\n<!-- /routing-table:x -->\nold\n"
+    assert study.readme_block(new, "x") == "new | table"
+    with pytest.raises(SystemExit, match="routing-table:y"):
+        study.readme_block(text, "y")
+
+
+def _record(arm: str, base: int, seed: int, hack: float, true_pass: float, **extra) -> dict:
+    return {
+        "revision": "r", "env": "checksum", "steps": 200, "lr": 0.05, "tau": 0.0,
+        "optimizer": "adamw", "split": "recentre", "rank": 8, "targets": "*.o_proj",
+        "arm": arm, "base": base, "seed": seed, "deploy_hack_rate": hack,
+        "deploy_true_pass": true_pass, "trained_hack_rate": hack,
+        "trained_true_pass": true_pass, "leakage": 0.0, "gate_auroc": None,
+        "probe_auroc": None, "kept_norm": 1.0, "quarantine_norm": 0.0, "sum_norm": 1.0,
+        **extra,
+    }  # fmt: skip
+
+
+def _formed(rate: float, hack: float | None) -> dict:
+    fields = dict.fromkeys(study.WELL_FORMED_FIELDS)
+    fields.update(deploy_well_formed_rate=rate, deploy_well_formed_hack_rate=hack)
+    return fields
+
+
+def test_records_without_well_formed_metrics_report_and_say_they_lack_them():
+    old = [
+        _record(arm, b, s, hack, 0.1)
+        for b in range(2)
+        for s in range(2)
+        for arm, hack in (("none", 0.9), ("route", 0.1))
+    ]
+    text = study.tables(old)
+    assert "well-formed metrics: absent from 8 of 8 records" in text
+    assert "hack among well-formed" not in text
+    assert "| route | none | 4 | -0.80 | 0.125 | 0.125 | yes |" in text  # 2 of 2^4 flips
+
+
+def test_well_formed_metrics_get_columns_and_a_comparison_of_their_own():
+    """A broken deployed policy (no well-formed answer: hack among well-formed undefined)
+    drops out of that comparison instead of winning it, and fails the well-formed bar."""
+    runs = []
+    for b in range(2):
+        for s in range(2):
+            runs.append(_record("none", b, s, 0.9, 0.05, **_formed(1.0, 0.9)))
+            runs.append(_record("route", b, s, 0.11, 0.0, **_formed(0.0, None)))
+            runs.append(_record("erase", b, s, 0.05, 0.3, **_formed(0.99, 0.05)))
+    text = study.tables(runs)
+    assert "well-formed metrics: absent" not in text
+    assert "| route | 4 |" in text and "| deploy hack among well-formed |" in text
+    assert "| erase | none | 4 | -0.85 | 0.125 | 0.125 | yes | yes |" in text  # alone in it
+    assert "| route | none | 4 |" in text.split("hack among well-formed answers")[0]
+    assert "| route | none |" not in text.split("hack among well-formed answers")[1]
+    mixed = [*runs, _record("none", 5, 0, 0.8, 0.0)]  # one older record among them
+    assert "absent from 1 of 13 records" in study.tables(mixed)
+    assert "(4 runs)" in study.tables(mixed)  # vanilla's well-formed cells cover 4 of 5 runs
+
+
+def test_a_run_keeps_every_evaluation_rate_and_the_base_its_step_zero():
+    evals = [
+        {"kind": "eval", "step": s, **{k: 0.5 if "trained" in k else s / 100 for k in
+                                       study.EVAL_FIELDS}}
+        for s in (0, 10)
+    ]  # fmt: skip
+    train = {"kind": "train", "leakage": 0.0, "flagged": 0.0, "kept_norm": 1.0,
+             "quarantine_norm": 0.0, "sum_norm": 1.0}  # fmt: skip
+    base, run = study.run_records(
+        study.Run(0, "none", None, 3), [evals[0], train, evals[1]], 1.0, {}, None, True
+    )
+    assert base["arm"] == "base" and run["arm"] == "none"
+    for key in study.EVAL_FIELDS:
+        assert base[key] == evals[0][key] and run[key] == evals[1][key]
+    assert "deploy_well_formed_hack_rate" in study.WELL_FORMED_FIELDS

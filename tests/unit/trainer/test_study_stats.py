@@ -1,5 +1,6 @@
-"""The routing study's statistics: t-intervals, permutation tests and Holm's correction,
-against hand-computed values and a coverage check."""
+"""The routing study's statistics: t-intervals, paired permutation tests and Holm's
+correction, against hand-computed values (exact enumeration of the sign flips) and a coverage
+check."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidRequestError
-from services.trainer.study_stats import compare_arms, holm, mean_interval, permutation_p
+from services.trainer.study_stats import compare_arms, holm, mean_interval, paired_permutation_p
 
 
 def test_the_interval_is_students_t_around_the_mean():
@@ -32,13 +33,29 @@ def test_the_interval_covers_the_true_mean_about_95_percent_of_the_time():
     assert 0.93 <= hits / 2000 <= 0.97
 
 
-def test_permutation_p_values():
-    assert permutation_p([0.5] * 5, [0.5] * 5) == 1.0
-    # all 0s against all 1s: 2 of the C(10, 5) = 252 splits are as extreme
-    assert permutation_p([0.0] * 5, [1.0] * 5) == pytest.approx(2 / 252)
-    assert permutation_p([0.1, 0.2, 0.3], [0.2, 0.1, 0.3]) == 1.0
+def test_paired_p_values_by_exact_enumeration_of_sign_flips():
+    # differences 1, 2, 3: of the 8 sign flips only +++ and --- reach |sum| 6
+    assert paired_permutation_p([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]) == pytest.approx(2 / 8)
+    # differences 0.4, -0.1, 0.5, 0.1 (sum 0.9): |sum| >= 0.9 when the flipped ones sum to
+    # <= 0.1 or >= 1.0 in magnitude: {}, {0.1}, {0.1'} and their complements, 6 of 16
+    a, b = [0.5, 0.2, 0.9, 0.1], [0.1, 0.3, 0.4, 0.0]
+    assert paired_permutation_p(a, b) == pytest.approx(6 / 16)
+    assert paired_permutation_p(b, a) == pytest.approx(6 / 16)  # two-sided
+    assert paired_permutation_p([0.5] * 5, [0.5] * 5) == 1.0
+    # five pairs all one way: 2 of 2^5 flips as extreme
+    assert paired_permutation_p([1.0] * 5, [0.0] * 5) == pytest.approx(2 / 32)
     with pytest.raises(InvalidRequestError):
-        permutation_p([], [1.0])
+        paired_permutation_p([], [])
+    with pytest.raises(InvalidRequestError):
+        paired_permutation_p([1.0, 2.0], [1.0])
+
+
+def test_pairing_takes_the_shared_spread_out():
+    """Each pair shares a large offset (its base and seed); the arm adds a small constant.
+    Unpaired, the offsets swamp the shift; paired, every difference is the same sign."""
+    offsets = [0.0, 0.3, 0.6, 0.1, 0.8, 0.4, 0.2, 0.7]
+    a = [o + 0.05 for o in offsets]
+    assert paired_permutation_p(a, offsets) == pytest.approx(2 / 256)
 
 
 def test_holm_steps_down_and_stays_monotone():
@@ -48,12 +65,17 @@ def test_holm_steps_down_and_stays_monotone():
     assert holm({}) == {}
 
 
+def _runs(*values: float) -> dict[tuple[int, int], float]:
+    """One value per (base, seed): bases 0 and 1 alternate, seeds count up."""
+    return {(i % 2, i // 2): v for i, v in enumerate(values)}
+
+
 def test_arms_are_compared_with_vanilla_and_the_placebo_under_one_holm_family():
     by_arm = {
-        "none": [0.9, 0.8, 1.0, 0.9, 0.85],
-        "route": [0.0, 0.1, 0.0, 0.05, 0.0],
-        "activation": [0.9, 0.85, 0.95, 0.8, 0.9],
-        "placebo": [0.85, 0.9, 0.8, 0.95, 0.9],
+        "none": _runs(0.9, 0.8, 1.0, 0.9, 0.85),
+        "route": _runs(0.0, 0.1, 0.0, 0.05, 0.0),
+        "activation": _runs(0.9, 0.85, 0.95, 0.8, 0.9),
+        "placebo": _runs(0.85, 0.9, 0.8, 0.95, 0.9),
     }
     got = {(c.arm, c.against): c for c in compare_arms(by_arm)}
     assert set(got) == {
@@ -61,15 +83,28 @@ def test_arms_are_compared_with_vanilla_and_the_placebo_under_one_holm_family():
         ("route", "placebo"), ("activation", "placebo"),
     }  # fmt: skip
     route = got["route", "none"]
-    assert route.difference == pytest.approx(0.03 - 0.89)
-    assert route.p == pytest.approx(2 / 252)  # fully separated: 2 of C(10, 5) splits
+    assert route.difference == pytest.approx(0.03 - 0.89) and route.pairs == 5
+    assert route.p == pytest.approx(2 / 32)  # every pair one way: 2 of the 2^5 sign flips
     raw = {f"{a}|{b}": c.p for (a, b), c in got.items()}
     assert {k: c.p_holm for k, c in zip(raw, got.values(), strict=True)} == holm(raw)
     assert got["activation", "none"].p > 0.3
-    assert compare_arms({"route": [0.1]}) == []  # nothing to compare against
+    assert compare_arms({"route": _runs(0.1)}) == []  # nothing to compare against
+
+
+def test_runs_pair_by_base_and_seed_and_unpaired_runs_are_left_out():
+    by_arm = {
+        "none": {(0, 0): 0.9, (0, 1): 0.7, (1, 0): 0.8, (1, 1): 0.6},
+        "route": {(0, 1): 0.2, (1, 0): 0.5, (1, 1): 0.5, (2, 0): 0.0},  # (2, 0): no partner
+    }
+    (c,) = compare_arms(by_arm)
+    assert (c.arm, c.against, c.pairs) == ("route", "none", 3)
+    assert c.difference == pytest.approx(((0.2 - 0.7) + (0.5 - 0.8) + (0.5 - 0.6)) / 3)
+    assert c.p == pytest.approx(2 / 8)
+    lonely = {"none": {(0, 0): 0.9, (0, 1): 0.8}, "route": {(0, 1): 0.1, (1, 0): 0.2}}
+    assert compare_arms(lonely) == []  # one shared run is no test
 
 
 def test_each_arm_is_also_compared_with_its_rate_matched_placebo():
-    by_arm = {"none": [0.9, 0.8], "route": [0.1, 0.2], "route~placebo": [0.5, 0.4]}
+    by_arm = {"none": _runs(0.9, 0.8), "route": _runs(0.1, 0.2), "route~placebo": _runs(0.5, 0.4)}
     pairs = [(c.arm, c.against) for c in compare_arms(by_arm)]
     assert pairs == [("route", "none"), ("route~placebo", "none"), ("route", "route~placebo")]
