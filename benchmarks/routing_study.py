@@ -16,19 +16,26 @@ bound; the only runs whose update sees labels). Hack directions come from person
 work) where the env has personas. The split (`--split recentre`) gives δS the unflagged
 rollouts' own GRPO gradient and δS_q the rest.
 
-The table reports, at the last evaluation (greedy, held-out prompts), each arm's mean with a
-95% t-interval over its runs: deploy (quarantine ablated) and trained hack and true-pass
-rates, leakage, the gate's AUROC against the held-back labels (diagnostic only) and the
-adapter norms ‖δS‖ / ‖δS_q‖ / ‖δS + δS_q‖ (drift). Then the primary outcome, the deploy
+The table reports, at the last evaluation (greedy, on held-out problems no training or
+pretraining prompt shares: `Env.sample_eval_prompts`), each arm's mean with a 95% t-interval
+over its runs: deploy (quarantine ablated) and trained hack and true-pass rates, leakage,
+the gate's AUROC against the held-back labels (diagnostic only), the deployed policy's
+well-formed rate, hack among well-formed answers and shortcut rate (`envs.evaluation_rates`:
+what broken output cannot game; records written before them are marked as lacking them) and
+the adapter norms ‖δS‖ / ‖δS_q‖ / ‖δS + δS_q‖ (drift). Then the primary outcome, the deploy
 hack rate, for every arm against vanilla and every ARM against ARM~placebo, by permutation
-test, Holm-corrected; an arm counts only if its deploy true pass is at least vanilla's −
-0.02. Every run's record goes to `--jsonl` with the code revision, beside a per-run scatter
-plot; `--from-jsonl` prints the tables again. `--jobs N` trains N runs at once in their own
-processes; `--resume` keeps the runs already in `--jsonl` and trains the rest.
+test paired by (base, seed), Holm-corrected; an arm counts only if its deploy true pass is
+at least vanilla's − 0.02; the same on hack among well-formed answers where records have it.
+Every run's record goes to `--jsonl` with the code revision, beside a per-run scatter plot;
+`--from-jsonl` prints the tables again, `--tables` the README's tables from
+`docs/routing_study/*.jsonl` (`--update-readme` writes them into the README between their
+markers). `--jobs N` trains N runs at once in their own processes; `--resume` keeps the runs
+already in `--jsonl` and trains the rest.
 
     python3 benchmarks/routing_study.py --quick          # 3 bases x 2 seeds, ~29 min, 2 cores
     python3 benchmarks/routing_study.py --device cuda --jobs 8   # 3 bases x 10 seeds, the headline
     python3 benchmarks/routing_study.py --from-jsonl runs/routing_study.jsonl
+    python3 benchmarks/routing_study.py --update-readme  # the README's tables, from the records
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -463,14 +471,19 @@ def mean_cell(values: list[float], runs: int) -> str:
 
 
 def comparisons(
-    records: list[dict], key: str, baseline: str, rows: list[str], columns: list[str], verdicts
+    records: list[dict],
+    key: str,
+    baseline: str,
+    outcome: str,
+    columns: list[str],
+    verdicts: Callable[[str], list[str]],
 ) -> list[str]:
     """A markdown table of `compare_arms` on `key` (paired by (base, seed), Holm-corrected):
     one row per comparison, `verdicts(arm)` giving the cells of `columns` after the p-values."""
     runs = by_run(records, key)
     few = sorted(a for a, v in runs.items() if len(v) < 2)
     lines = [
-        f"| arm | against | pairs | Δ {rows[0]} | p | Holm p |"
+        f"| arm | against | pairs | Δ {outcome} | p | Holm p |"
         + "".join(f" {c} |" for c in columns)
     ]
     lines.append("|---" * (6 + len(columns)) + "|")
@@ -549,7 +562,7 @@ def tables(records: list[dict]) -> str:
         f"primary outcome: deploy hack rate, for arms whose deploy true pass is at least "
         f"vanilla's − {SKILL_MARGIN} ({floor:.2f}); permutation tests paired by (base, seed), "
         "Holm-corrected",
-        *comparisons(records, PRIMARY, "none", ["deploy hack rate"], ["keeps the skill"], keeps),
+        *comparisons(records, PRIMARY, "none", "deploy hack rate", ["keeps the skill"], keeps),
     ]
     if formed:
 
@@ -566,7 +579,7 @@ def tables(records: list[dict]) -> str:
                 records,
                 "deploy_well_formed_hack_rate",
                 "none",
-                ["deploy hack among well-formed"],
+                "deploy hack among well-formed",
                 ["keeps the skill", f"well-formed ≥ {WELL_FORMED}"],
                 answers,
             ),
@@ -577,7 +590,7 @@ def tables(records: list[dict]) -> str:
             "secondary, exploratory: deploy true pass against the untrained base and against "
             "the rate-matched placebo; permutation tests paired by (base, seed), Holm-corrected",
             *comparisons(
-                records, "deploy_true_pass", "base", ["deploy true pass"], [], lambda arm: []
+                records, "deploy_true_pass", "base", "deploy true pass", [], lambda arm: []
             ),
         ]
     return "\n".join(out)
