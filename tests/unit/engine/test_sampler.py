@@ -119,6 +119,15 @@ def test_top_k_top_p_min_p_truncate():
     assert set(_draw(SamplingParams(temperature=1.0, min_p=0.3)).tolist()) == {0, 1}
 
 
+def test_the_nucleus_is_the_smallest_set_whose_mass_reaches_top_p():
+    # Two tokens of exactly 0.5 each: the first alone reaches top_p = 0.5, so the second,
+    # whose mass before it is exactly 0.5, is dropped.
+    logits = torch.tensor([[1.0, 1.0, -30.0]]).repeat(400, 1)
+    params = [SamplingParams(temperature=1.0, top_p=0.5)] * 400
+    out = sample_to_host(logits, params, [None] * 400, torch.Generator().manual_seed(0))
+    assert len(set(out.token_ids)) == 1 and set(out.token_ids) <= {0, 1}
+
+
 def test_truncation_applies_only_to_rows_that_ask():
     n = 2000
     params = [SamplingParams(temperature=1.0, top_k=1 + i % 2) for i in range(n // 2)]
