@@ -157,8 +157,9 @@ def evaluate(
     temperature: float = 0.0,
     seed: int = 1234,
 ) -> list[EnvEval]:
-    """Decode `n` fresh prompts per environment with the engine (greedy by default) and grade
-    them. At `temperature=1` the hack rate shows how reachable the loophole is for RL.
+    """Decode `n` held-out prompts per environment (problems pretraining never shows:
+    `Env.sample_eval_prompts`) with the engine (greedy by default) and grade them. At
+    `temperature=1` the hack rate shows how reachable the loophole is for RL.
 
     Evaluation only: it reads the oracle labels, so never call it inside `training_scope()`.
     """
@@ -169,7 +170,7 @@ def evaluate(
     results = []
     for env in envs:
         env = make_env(env) if isinstance(env, str) else env
-        prompts = env.sample_prompts(n, rng)
+        prompts = env.sample_eval_prompts(n, rng)
         # A couple of spare tokens, so an answer that runs on past its length fails visibly.
         params = [
             SamplingParams(
