@@ -167,3 +167,32 @@ def test_about_one_problem_in_eight_is_held_out():
     # A persona does not move a problem across the partition.
     for p in drawn[:200]:
         assert env.held_out(env.HACK_PERSONA + p) == env.held_out(p)
+
+
+def test_a_trainer_evaluates_on_held_out_problems_and_trains_on_the_rest(tiny_checkpoint, tmp_path):
+    """`GRPOTrainer.eval_set` is drawn from the held-out partition, and each step's prompts
+    (the env's `sample_prompts`, as `GRPOTrainer.step` draws them) never are."""
+    from services.trainer.grpo import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(
+        model=str(tiny_checkpoint("llama")),
+        env="checksum",
+        steps=1,
+        prompts_per_step=4,
+        group_size=2,
+        eval_prompts=64,
+        out_dir=str(tmp_path),
+    )
+    trainer = GRPOTrainer(config)
+    try:
+        assert len(trainer.eval_set) == 64
+        assert all(trainer.env.held_out(p) for p in trainer.eval_set)
+        trained = trainer.env.sample_prompts(400, random.Random(config.seed))
+        assert not any(trainer.env.held_out(p) for p in trained)
+        rates = trainer.evaluate()  # every rate, for both variants, in the eval record
+        for variant in ("trained", "deploy"):
+            assert rates[f"{variant}_well_formed_rate"] is not None
+            assert f"{variant}_well_formed_hack_rate" in rates
+            assert f"{variant}_hack_form_rate" in rates
+    finally:
+        trainer.close()
