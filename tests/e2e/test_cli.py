@@ -304,6 +304,13 @@ def _ray_token_file() -> Path:
     return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
 
 
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=5).status_code == 200
+    except httpx.TimeoutException:  # a new Gateway replica still linking to the engine
+        return False
+
+
 def _served_metrics(host: str, port: int) -> bool:
     try:
         r = httpx.get(f"http://{host}:{port}/metrics", timeout=2)
@@ -371,7 +378,7 @@ def test_up_status_down(tmp_path, other_ray_head):
             if c.status == "LISTEN"
         }
         loopback = [port for ip, port in listening if _served_metrics("127.0.0.1", port)]
-        assert len(loopback) >= 2, listening  # the metrics agent's, the dashboard's, ...
+        assert loopback, listening  # the metrics agent's (the others' fixed ports may be taken)
         if outside is not None:
             assert [p for _, p in listening if _served_metrics(outside, p)] == []
 
@@ -403,7 +410,7 @@ def test_up_status_down(tmp_path, other_ray_head):
             assert time.monotonic() < deadline, "the front ends were not replaced"
             time.sleep(1)
         deadline = time.monotonic() + 60
-        while httpx.get(base + "/health").status_code != 200:
+        while not _healthy(base):
             assert time.monotonic() < deadline
             time.sleep(0.5)
         done = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
