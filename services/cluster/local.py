@@ -695,7 +695,8 @@ def status() -> dict[str, Any]:
     if state is None:
         reason = f"no cluster state in {cluster_dir()}"
         return {"state": "not running", "running": False, "degraded": [], "reason": reason}
-    report: dict[str, Any] = {k: state[k] for k in ("bind", "model", "api_keys_file") if k in state}
+    keep = ("bind", "model", "api_keys_file", "ray_address")
+    report: dict[str, Any] = {k: state[k] for k in keep if k in state}
     report["ray_head_processes"] = len(_ray_processes(state))
     degraded = []
     if state.get("redis_url"):
