@@ -125,27 +125,16 @@ class AsyncLLM:
         hands admission to the engine thread instead)."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
-        text = None
-        if isinstance(prompt, str):  # here, not under the engine lock a step holds
-            text, prompt = prompt, self.tokenizer.encode(prompt)
-        self._add(request_id, prompt, text, params, deliver)
+        # Tokenized and resolved here, not under the engine lock a step holds.
+        group = self.engine.prepare_request(request_id, prompt, params)
+        self._queue(group, deliver)
         self._wake.set()
 
-    def _add(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        text: str | None,
-        params: SamplingParams | None,
-        deliver: Deliver | DeltaStream,
-    ) -> None:
-        """Add a request to the engine under its lock. `text`: what token-id `prompt` was
-        encoded from, kept on the request so its outputs report it."""
+    def _queue(self, group: Any, deliver: Deliver | DeltaStream) -> None:
+        """Queue a resolved request in the engine, under its lock, with where its deltas go."""
         with self._lock:
-            self.engine.add_request(request_id, prompt, params)
-            if text is not None:
-                self.engine.requests[request_id].prompt = text
-            self._deliver[request_id] = deliver
+            self.engine.add_prepared(group)
+            self._deliver[group.request_id] = deliver
 
     def admit(
         self,
@@ -284,9 +273,7 @@ class AsyncLLM:
             aborts, self._aborts = self._aborts, deque()
         for group, deliver, admitted in admissions:
             try:
-                with self._lock:
-                    self.engine.add_prepared(group)
-                    self._deliver[group.request_id] = deliver
+                self._queue(group, deliver)
             except BaseException as exc:
                 admitted.set_exception(exc)
             else:
