@@ -411,3 +411,19 @@ def test_a_vector_updates_scale_multiplies_its_vector(path):
     scaled, tripled, unscaled = steered(v, 3.0), steered(3 * v, 1.0), steered(v, 1.0)
     _assert_close(scaled, tripled)
     assert scaled != unscaled
+
+
+def test_capture_reaches_exactly_the_last_position_fed_through_the_model(path):
+    """With max_tokens 4 the model is fed the prompt and 3 generated tokens (the 4th is only
+    sampled): a capture at that last fed position is served, one past it refused."""
+    prompt = _prompt(65)
+    last = len(prompt) + 4 - 2
+    params = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    at_last = {"sites": {"post_block": [0]}, "positions": [last]}
+    engine = _engine(path)
+    out = _run(engine, {"c": (prompt, SamplingParams(**params, capture=at_last))})["c"]
+    assert out.capture_positions == [last]
+    assert out.captures["0.post_block"].shape == (1, H)
+    past = {"sites": {"post_block": [0]}, "positions": [last + 1]}
+    with pytest.raises(InvalidRequestError, match="never computed"):
+        engine.add_request("d", prompt, SamplingParams(**params, capture=past))
