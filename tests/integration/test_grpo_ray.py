@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.trainer.grpo import GRPOConfig, GRPOTrainer
+from services.trainer.metrics import EVAL_RATES
 
 ray = pytest.importorskip("ray")
 
@@ -42,6 +43,4 @@ def test_ray_rollout_workers(ray_cluster, tiny_checkpoint, tmp_path):
     assert len(grades) == cfg.prompts_per_step * cfg.group_size
     assert trainer.rollout.versions()[0] > version  # the step synced again
     rates = trainer.evaluate()
-    assert set(rates) == {
-        "trained_true_pass", "trained_hack_rate", "deploy_true_pass", "deploy_hack_rate"
-    }  # fmt: skip
+    assert set(rates) == {f"{v}_{rate}" for v in ("trained", "deploy") for rate in EVAL_RATES}
