@@ -6,6 +6,8 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +49,7 @@ def launch_local(
     for p in procs:
         p.start()
     try:
-        status, value = results.get(timeout=timeout_s)
+        status, value = _first_result(results, procs, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -56,6 +58,21 @@ def launch_local(
     if status != "ok":
         raise RuntimeError(f"the replica's driver failed:\n{value}")
     return pickle.loads(value)
+
+
+def _first_result(results: Any, procs: list, timeout_s: float) -> tuple[str, Any]:
+    """The driver's (status, value), or an error as soon as a rank dies without one (its
+    peers would wait in a collective for it until `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode]
+            if dead:
+                return "error", f"rank(s) exited before the driver finished: {dead} (rank, code)"
+            if time.monotonic() >= deadline:
+                return "error", f"the replica's driver did not finish within {timeout_s:g} s"
 
 
 def _local_rank(

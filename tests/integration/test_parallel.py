@@ -116,3 +116,10 @@ def test_a_parallel_replica_overlaps_steps_like_one_process(checkpoint, tp, pp):
     got = launch_local(str(checkpoint), tp, pp, parallel_workload.overlapped, engine_config=CONFIG)
     assert want["overlapped"] and got["overlapped"]
     assert got == want
+
+
+def test_a_rank_that_dies_before_the_driver_reports_fails_the_launch_at_once(tmp_path):
+    """No checkpoint: every rank dies building its engine. The launch says so as soon as a
+    rank has exited, rather than waiting out its timeout for a result that cannot come."""
+    with pytest.raises(RuntimeError, match=r"rank\(s\) exited before the driver finished"):
+        launch_local(str(tmp_path / "missing"), 2, 1, len, timeout_s=300)
