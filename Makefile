@@ -29,13 +29,12 @@ demo: setup
 	@echo "==> touring it over HTTP and gRPC (coxswain demo --cluster)"
 	@coxswain demo --cluster
 
-# Three pytest-xdist workers, one test file at a time each (`--dist loadfile`), so a file's
+# Two pytest-xdist workers, one test file at a time each (`--dist loadfile`), so a file's
 # module-scoped Ray and cluster start once, as in one process; every test starts its own Ray
 # and Redis on free ports, so the workers never meet. Most of the suite waits (on Ray, on
-# subprocesses): with two workers two cores were busy half the time (6m12s of CPU in 6m07s
-# on 2 cores), so a third worker still pays off. The slowest files (e2e) go out first.
+# subprocesses), so two workers pay off on 2 cores. The slowest files (e2e) go out first.
 test:
-	$(PY) -m pytest -q -n 3 --dist loadfile tests/e2e tests/integration tests/unit
+	$(PY) -m pytest -q -n 2 --dist loadfile tests/e2e tests/integration tests/unit
 
 lint:
 	ruff check services tests benchmarks && ruff format --check services tests benchmarks
