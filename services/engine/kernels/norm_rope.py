@@ -113,58 +113,6 @@ if triton is not None:
         tl.store(out_ptr + row * H + cols, y, mask=m)
 
     @triton.jit
-    def _rotate_heads(
-        src, dst, t, stride_t, stride_h, n, c, s, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr
-    ):
-        dtype = dst.dtype.element_ty
-        heads = tl.arange(0, BLOCK_HEADS)
-        d = tl.arange(0, HALF)
-        ok = heads[:, None] < n
-        offs = heads[:, None] * (2 * HALF) + d[None, :]
-        p = src + t * stride_t + heads[:, None] * stride_h + d[None, :]
-        x1 = tl.load(p, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(p + HALF, mask=ok, other=0.0).to(tl.float32)
-        # As PyTorch rounds: each product to the dtype, then their sum.
-        a1 = (x1 * c[None, :]).to(dtype).to(tl.float32)
-        b1 = (-x2 * s[None, :]).to(dtype).to(tl.float32)
-        a2 = (x2 * c[None, :]).to(dtype).to(tl.float32)
-        b2 = (x1 * s[None, :]).to(dtype).to(tl.float32)
-        out = dst + t * n * (2 * HALF) + offs
-        tl.store(out, (a1 + b1).to(dtype), mask=ok)
-        tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)
-
-    @triton.jit
-    def _rotary_kernel(
-        q_ptr,
-        k_ptr,
-        q_out,  # [T, HQ, 2 * HALF] contiguous
-        k_out,
-        cos_ptr,
-        sin_ptr,
-        pos_ptr,
-        stride_qt,
-        stride_qh,
-        stride_kt,
-        stride_kh,
-        HQ: tl.constexpr,
-        HKV: tl.constexpr,
-        HALF: tl.constexpr,
-        BLOCK_HEADS: tl.constexpr,
-    ):
-        # One program per token: every head of q and k.
-        t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        d = tl.arange(0, HALF)
-        dtype = q_out.dtype.element_ty
-        c = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
-        _rotate_heads(q_ptr, q_out, t, stride_qt, stride_qh, HQ, c, s, HALF, BLOCK_HEADS)
-        _rotate_heads(k_ptr, k_out, t, stride_kt, stride_kh, HKV, c, s, HALF, BLOCK_HEADS)
-
-
-if triton is not None:
-
-    @triton.jit
     def _norm_rope_heads(
         src,  # this token's first head
         stride_h,
@@ -206,6 +154,40 @@ if triton is not None:
         out_dtype = dst.dtype.element_ty
         tl.store(out, x1.to(dtype).to(out_dtype), mask=ok)
         tl.store(out + HALF, x2.to(dtype).to(out_dtype), mask=ok)
+
+    @triton.jit
+    def _rotary_kernel(
+        q_ptr,
+        k_ptr,
+        q_out,  # [T, HQ, 2 * HALF] contiguous
+        k_out,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+    ):
+        # One program per token: every head of q and k.
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        d = tl.arange(0, HALF)
+        dtype = q_out.dtype.element_ty
+        c = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        _norm_rope_heads(
+            q_ptr + t * stride_qt, stride_qh, q_out + t * HQ * 2 * HALF, 2 * HALF, HQ, q_ptr,
+            0.0, c, s, HALF, BLOCK_HEADS, False, True,
+        )  # fmt: skip
+        _norm_rope_heads(
+            k_ptr + t * stride_kt, stride_kh, k_out + t * HKV * 2 * HALF, 2 * HALF, HKV, k_ptr,
+            0.0, c, s, HALF, BLOCK_HEADS, False, True,
+        )  # fmt: skip
 
     @triton.jit
     def _qk_rope_cache_kernel(
