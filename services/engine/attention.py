@@ -9,6 +9,7 @@ that read the paged cache in place, capturable in a CUDA graph for decode) and
 
 from __future__ import annotations
 
+import functools
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -72,6 +73,11 @@ class AttentionBackend(ABC):
         """Write k/v into the cache, then attend."""
 
 
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device's queue."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class _SdpaGroup:
     """Requests attended in one SDPA call: all decodes together, or one prefill alone."""
@@ -122,7 +128,7 @@ class SdpaBackend(AttentionBackend):
         qpos = [
             [first[j] + i if i < q_lens[r] else -1 for i in range(lq)] for j, r in enumerate(reqs)
         ]
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+        as_tensor = functools.partial(_to_device, dtype=torch.long, device=device)
         fresh = len(reqs) == 1 and first[0] == 0
         gather = None
         if not fresh:
@@ -191,11 +197,6 @@ class SdpaBackend(AttentionBackend):
             )  # [Rg, Hq, Lq, D]
             out[g.rows] = o.transpose(1, 2).reshape(r * lq, hq, d)[g.token_dest]
         return out
-
-
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for the device's queue."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _rows(indices: list[int], device: torch.device) -> slice | torch.Tensor:
