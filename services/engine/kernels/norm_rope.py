@@ -156,6 +156,17 @@ if triton is not None:
         tl.store(out + HALF, x2.to(dtype).to(out_dtype), mask=ok)
 
     @triton.jit
+    def _cos_sin(cos_ptr, sin_ptr, pos_ptr, t, like_ptr, HALF: tl.constexpr):
+        """Token t's half-rows of the cos/sin tables, rounded to the activation dtype (that
+        `like_ptr` points to) as transformers casts the tables, in float32."""
+        dtype = like_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        d = tl.arange(0, HALF)
+        c = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        return c, s
+
+    @triton.jit
     def _rotary_kernel(
         q_ptr,
         k_ptr,
@@ -175,11 +186,7 @@ if triton is not None:
     ):
         # One program per token: every head of q and k.
         t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        d = tl.arange(0, HALF)
-        dtype = q_out.dtype.element_ty
-        c = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        c, s = _cos_sin(cos_ptr, sin_ptr, pos_ptr, t, q_out, HALF)
         _norm_rope_heads(
             q_ptr + t * stride_qt, stride_qh, q_out + t * HQ * 2 * HALF, 2 * HALF, HQ, q_ptr,
             0.0, c, s, HALF, BLOCK_HEADS, False, True,
@@ -220,12 +227,8 @@ if triton is not None:
     ):
         # One program per token: every head of q, k and v.
         t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        d = tl.arange(0, HALF)
-        dtype = q_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * 2 * HALF + d).to(dtype).to(tl.float32)
+        c, s = _cos_sin(cos_ptr, sin_ptr, pos_ptr, t, q_ptr, HALF)
         _norm_rope_heads(
             q_ptr + t * stride_qt, stride_qh, q_out + t * HQ * 2 * HALF, 2 * HALF, HQ, qw_ptr,
             eps, c, s, HALF, BLOCK_HEADS, HAS_NORM, True,
