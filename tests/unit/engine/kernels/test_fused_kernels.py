@@ -285,6 +285,6 @@ def test_interpreted_qk_rope_cache_kernel_matches_reference(norm):
     want_k, want_v = kc.clone(), vc.clone()
     want = qk_rope_cache_reference(*args, want_k, want_v, slots, *weights, 1e-6)
     got = qk_rope_cache_triton(*args, kc, vc, slots, *weights, 1e-6)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(kc, want_k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # another sum-of-squares order
+    torch.testing.assert_close(kc, want_k, atol=1e-4, rtol=1e-4)
     assert torch.equal(vc, want_v)
