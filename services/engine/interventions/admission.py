@@ -120,12 +120,6 @@ class RequestAdmission:
     _prefill_env: bytes
     _decode_env: bytes
 
-    def prepare(self, group: RequestGroup) -> None:
-        """Resolve the request's spec (InvalidRequestError on bad input; nothing changes)
-        and sign it against the current global steering."""
-        self.resolve(group)
-        self.refresh_sigs(group)
-
     def resolve(self, group: RequestGroup) -> None:
         """Resolve the request's spec into `group.interventions` (InvalidRequestError on bad
         input). Reads the vector registry and the patch store but changes no engine state,

@@ -22,7 +22,8 @@ def _manager() -> InterventionManager:
 
 def _request(m: InterventionManager, rid: str, prompt_len: int, **params) -> RequestGroup:
     group = RequestGroup(rid, None, list(range(1, prompt_len + 1)), SamplingParams(**params), 0.0)
-    m.prepare(group)
+    m.resolve(group)  # as LLMEngine.prepare_request, then add_prepared
+    m.refresh_sigs(group)
     m.add(group)
     assert m.try_admit(group.seqs[0])
     return group
