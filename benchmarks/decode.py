@@ -76,7 +76,10 @@ class StaticDecoder:
     writes the greedy next tokens back into `self.tokens`, so replays chain like decoding.
     """
 
-    def __init__(self, model_dir: Path, batch: int, max_len: int, device, dtype):
+    def __init__(
+        self, model_dir: Path, batch: int, max_len: int, device, dtype, kv_cache: bool = True
+    ):
+        """`kv_cache=False`: no cache (a subclass that attends its input's own K/V)."""
         cfg = load_model_config(model_dir)
         self.cfg = cfg
         files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -89,8 +92,8 @@ class StaticDecoder:
         rope = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope).to(device)
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.zeros(shape, device=device, dtype=dtype) if kv_cache else None
+        self.v = torch.zeros(shape, device=device, dtype=dtype) if kv_cache else None
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.arange = torch.arange(max_len, device=device)
