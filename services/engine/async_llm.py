@@ -31,6 +31,7 @@ from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine, Prompt
 from services.engine.outputs import RequestDelta
 from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import RequestGroup
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class AsyncLLM:
         self._queue(group, deliver)
         self._wake.set()
 
-    def _queue(self, group: Any, deliver: Deliver | DeltaStream) -> None:
+    def _queue(self, group: RequestGroup, deliver: Deliver | DeltaStream) -> None:
         """Queue a resolved request in the engine, under its lock, with where its deltas go."""
         with self._lock:
             self.engine.add_prepared(group)
