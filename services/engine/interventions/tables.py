@@ -17,6 +17,7 @@ count is one past the highest column in use).
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -118,9 +119,6 @@ class SteeringTables:
         self.probe_pools: dict[SiteKey, RowPool] = {}
         # How many installed things read each (layer, site): the kernel runs where > 0.
         self.site_use: Counter[SiteKey] = Counter()
-        self._slabs: list[torch.Tensor] = []  # pinned staging for `_upload`, made on first use
-        self._slab_done: list[torch.cuda.Event | None] = []
-        self._slab_turn = 0
         self.dynamic: dict[SiteKey, torch.Tensor] = {}  # host copies, for snapshots
         self.monitors: dict[SiteKey, dict] = {}
 
@@ -129,51 +127,58 @@ class SteeringTables:
 
     # -- rows ---------------------------------------------------------------------------
 
+    def _staging(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host tensor to fill and `_upload`: pinned on CUDA."""
+        return torch.zeros(*shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+
     def _upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`dst.copy_(src)` (a host tensor) without waiting for the device. A copy from
-        pageable memory would wait for everything queued, the step in flight included; on
-        CUDA it goes through one of a ring of pinned slabs, each reused once its last copy
-        has run."""
-        if self.device.type != "cuda":
-            dst.copy_(src)
-            return
-        if not self._slabs:  # bytes: a row of every layer, or a float32 probe
-            n = self.num_layers * self.hidden_size * 4
-            self._slabs = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
-            self._slab_done = [None] * len(self._slabs)
-        i = self._slab_turn = (self._slab_turn + 1) % len(self._slabs)
-        done = self._slab_done[i]
-        if done is not None:
-            done.synchronize()
-        nbytes = src.numel() * dst.element_size()
-        slab = self._slabs[i][:nbytes].view(dst.dtype).view(src.shape)
-        slab.copy_(src)
-        dst.copy_(slab, non_blocking=True)
-        self._slab_done[i] = event = torch.cuda.Event()
-        event.record()
+        pageable memory would wait for everything queued, the step in flight included, so
+        on CUDA `src` is pinned (`_staging`, or staged here): PyTorch's caching host
+        allocator hands a pinned block out again only once the copies that read it have
+        run, so nothing here waits for a step either."""
+        if self.device.type == "cuda" and not src.is_pinned():
+            src = src.pin_memory()
+        dst.copy_(src, non_blocking=True)
 
     def write_row(self, row: int, content: RowContent) -> None:
+        """Fill a row acquired from a pool: one copy per site for the vectors of every
+        layer, and per gated site one copy for each gate table. A free row is zero at every
+        layer, and the copies write every layer of the row (zero where `content` has
+        nothing), which keeps it so."""
+        L, H = self.num_layers, self.hidden_size
         by_site: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for (layer, site), v in content.vectors.items():
             by_site.setdefault(site, []).append((layer, v))
-        for site, entries in by_site.items():  # one copy per site: every layer of the row
-            slab = torch.zeros(self.num_layers, self.hidden_size, dtype=self.dtype)
-            for layer, v in entries:  # layers it leaves out are zero, as a free row is
-                slab[layer] = v
-            self._upload(self.vec[site][:, row], slab)
+        for site, entries in by_site.items():
+            staged = self._staging(L, H, dtype=self.dtype)
+            for layer, v in entries:
+                staged[layer] = v
+            self._upload(self.vec[site][:, row], staged)
+        gates_by_site: dict[str, list[tuple[int, Any]]] = {}
         for (layer, site), g in content.gates.items():
-            self.gate_probe[site][layer, row] = self._dev(g.probe)
-            self.gate_vec[site][layer, row] = self._dev(g.vector)
-            params = [1.0, g.threshold, g.sharpness, g.scale, float(g.attenuate), g.bit, g.latch]
-            self.gate_params[site][layer, row] = torch.tensor(params, dtype=torch.float32)
+            gates_by_site.setdefault(site, []).append((layer, g))
+        for site, entries in gates_by_site.items():
+            probe = self._staging(L, H, dtype=self.dtype)
+            vec = self._staging(L, H, dtype=self.dtype)
+            params = self._staging(L, 7, dtype=torch.float32)
+            for layer, g in entries:
+                probe[layer], vec[layer] = g.probe, g.vector
+                params[layer] = torch.tensor(
+                    [1.0, g.threshold, g.sharpness, g.scale, float(g.attenuate), g.bit, g.latch]
+                )
+            self._upload(self.gate_probe[site][:, row], probe)
+            self._upload(self.gate_vec[site][:, row], vec)
+            self._upload(self.gate_params[site][:, row], params)
         self.site_use.update(content.sites())
         self.set_row_scale(row, 1.0)
 
     def clear_row(self, row: int, content: RowContent) -> None:
-        for layer, site in content.vectors:
-            self.vec[site][layer, row] = 0
-        for layer, site in content.gates:
-            self.gate_params[site][layer, row] = 0
+        """Zero the row at every site `content` wrote (one fill a site, all layers)."""
+        for site in {site for _, site in content.vectors}:
+            self.vec[site][:, row] = 0
+        for site in {site for _, site in content.gates}:
+            self.gate_params[site][:, row] = 0
         self.site_use.subtract(content.sites())
         self.set_row_scale(row, 1.0)
 
