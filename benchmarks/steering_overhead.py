@@ -62,6 +62,10 @@ class RunResult:
     outputs: list[list[int]] = field(repr=False)
     captures: list[dict[str, torch.Tensor] | None] | None = field(default=None, repr=False)
     all_seconds: list[float] = field(default_factory=list)  # every timed pass, this one's too
+    # Coxswain's phases (`run_coxswain`): seconds in `add_request`, and from the start until
+    # every request had its first token (admission and prefill)
+    admit_s: float | None = None
+    first_tokens_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -138,16 +142,41 @@ def run_coxswain(
     configs: list[SamplingParams],
     device: torch.device,
 ) -> RunResult:
-    """All requests submitted at once, request i with `configs[i % len(configs)]`."""
+    """All requests submitted at once, request i with `configs[i % len(configs)]`; also
+    times the run's phases (the engine's `add_request` and `step` wrapped for the call)."""
     params = [configs[i % len(configs)] for i in range(len(prompts))]
-    sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(device)
-    seconds = time.perf_counter() - start
+    engine = llm.engine
+    admit = [0.0]
+    first: list[float] = []
+
+    def add_request(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return type(engine).add_request(engine, *a, **kw)
+        finally:
+            admit[0] += time.perf_counter() - t
+
+    def step() -> Any:
+        out = type(engine).step(engine)
+        if not first and all(g.seqs[0].num_generated for g in engine.requests.values()):
+            first.append(time.perf_counter())
+        return out
+
+    engine.add_request, engine.step = add_request, step
+    try:
+        sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.add_request, engine.step
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     captures = [o.captures for o in outs]
-    return RunResult(name, sum(map(len, outputs)), seconds, outputs, captures)
+    r = RunResult(name, sum(map(len, outputs)), seconds, outputs, captures)
+    r.admit_s = admit[0]
+    r.first_tokens_s = first[0] - start if first else seconds
+    return r
 
 
 def read_back_configs(
@@ -550,6 +579,26 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
     )
     if waits:
         print(f"coxswain: {waits} admissions waited for a free steering row")
+    print(
+        f"\n{'where the run went':<26} {'add_request':>11} {'to all 1st tokens':>17} "
+        f"{'after':>8} {'vs unsteered':>24}"
+    )
+    for r in cox.values():
+        after, base_after = r.seconds - r.first_tokens_s, plain.seconds - plain.first_tokens_s
+        vs = (
+            "-"
+            if r is plain
+            else f"{r.first_tokens_s - plain.first_tokens_s:+.3f} s, {after - base_after:+.3f} s"
+        )
+        print(
+            f"{r.config:<26} {1e3 * r.admit_s:>8.1f} ms {r.first_tokens_s:>15.3f} s "
+            f"{after:>6.3f} s {vs:>24}"
+        )
+    print(
+        "add_request: the engine's admission of every request (inside the first column); "
+        "to all 1st tokens: from submitting until every request has its first token "
+        "(admission and prefill); after: the decode that follows"
+    )
 
     # Cheap checks that steering and capture really did their work: a no-op would look free.
     print()
