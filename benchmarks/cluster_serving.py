@@ -46,7 +46,7 @@ def _workload(args: argparse.Namespace) -> list[str]:
     return [
         "--throughput", "--num-requests", str(args.num_requests), "--concurrency",
         str(args.concurrency), "--prompt-len", str(args.prompt_len), "--output-len",
-        str(args.output_len),
+        str(args.output_len), "--client-processes", str(args.client_processes),
     ]  # fmt: skip
 
 
@@ -105,8 +105,8 @@ def _up(args, env: dict, flags: list[str]) -> tuple[str, str]:
 
 
 def _kill_run(args, url: str, key: str) -> None:
-    """Four times the workload on two replicas while one replica's process is killed 2 s
-    after the run starts (the clients' start-up included)."""
+    """Four times the workload on two replicas, and one replica's process killed once it
+    holds streams (its running requests, from `/v1/stats`, which also names its pid)."""
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         r = client.put("/v1/vectors/kept", json={"value": [0.5] * args.hidden, "overwrite": True})
@@ -117,12 +117,25 @@ def _kill_run(args, url: str, key: str) -> None:
              "--num-requests", str(4 * args.num_requests)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        time.sleep(2)
-        victim = _engine_replica_pids()[0]
+        t_start = time.perf_counter()
+        victim, held = None, 0
+        while victim is None and time.perf_counter() - t_start < 120 and run.poll() is None:
+            stats = client.get("/v1/stats").json()
+            held = stats.get("requests_running", 0)
+            if held >= min(32, args.concurrency // 4):
+                victim = stats["placement"]["ranks"][0]["pid"]
+            else:
+                time.sleep(0.1)
+        if victim is None:
+            run.kill()
+            raise SystemExit("no replica held streams within 120 s of the run's start")
         t_kill = time.perf_counter()
         ray_psutil().Process(victim).kill()
+        print(
+            f"    killed Engine replica pid {victim}, holding {held} running streams, "
+            f"{t_kill - t_start:.1f} s into the run:"
+        )
         out, err = run.communicate(timeout=900)
-        print(f"    killed Engine replica pid {victim} 2 s into the run:")
         print("   ", (out.strip().splitlines() or [err[-500:]])[-1])
         back = None
         while time.perf_counter() - t_kill < 300:
@@ -144,10 +157,16 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--model", type=Path, help="a local HF checkpoint dir instead of --shape")
     p.add_argument("--clusters", default="1,2,tp2", help=f"of {', '.join(CLUSTERS)}")
-    p.add_argument("--num-requests", type=int, default=512)
+    p.add_argument("--num-requests", type=int, default=1024)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=8,
+        help="load generators (one Python SSE reader tops out near 10k chunks/s)",
+    )
     p.add_argument("--kill", action="store_true", help="also kill a replica of two mid-run")
     p.add_argument("--skip-baseline", action="store_true")
     args = p.parse_args()

@@ -28,13 +28,14 @@ from services.common.net import free_port
 
 
 def process_placement() -> dict[str, Any]:
-    """Where this Ray worker runs: its node, the GPU ids Ray gave it, the
+    """Where this Ray worker runs: its node, its process id, the GPU ids Ray gave it, the
     CUDA_VISIBLE_DEVICES Ray set from them (physical indices) and its placement group."""
     import ray
 
     pg = ray.util.get_current_placement_group()
     return {
         "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
         "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "placement_group": pg.id.hex() if pg is not None else None,
