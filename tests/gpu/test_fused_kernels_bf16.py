@@ -17,6 +17,8 @@ from services.engine.kernels.norm_rope import (
     rms_norm_triton,
     rotary_reference,
     rotary_triton,
+    silu_mul_reference,
+    silu_mul_triton,
 )
 from tests.unit.engine.kernels.test_fused_kernels import paged_case, prefill_case
 
@@ -161,3 +163,18 @@ def test_qk_rope_cache_kernel_matches_reference(dtype, norm):
         caches[0].float(), want_caches[0].float(), atol=TOL[dtype], rtol=TOL[dtype]
     )
     assert torch.equal(caches[1], want_caches[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2 * 3072), (37, 2 * 14336), (128, 2 * 1536)])
+def test_silu_mul_matches_reference(dtype, shape):
+    """One decode token, a 37-token step at Llama-3-8B's intermediate size, 128 tokens; the
+    kernel rounds where PyTorch rounds, so the result is equal or within an ulp."""
+    x = 4 * torch.randn(*shape, device="cuda", dtype=dtype)
+    got = silu_mul_triton(x)
+    tol = {torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(got, silu_mul_reference(x), atol=tol, rtol=tol)
+    strided = x[:, : shape[1] - 2]  # row-strided, and N no longer a multiple of the block
+    torch.testing.assert_close(
+        silu_mul_triton(strided), silu_mul_reference(strided), atol=tol, rtol=tol
+    )

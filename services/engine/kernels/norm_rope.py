@@ -7,12 +7,14 @@ KV cache in one: the per-head q/k norms (Qwen3), RoPE of q and k, and the K and 
 into their cache slots (five kernels a layer before). All compute exactly what the PyTorch
 references compute, rounding where they round (transformers' order: normalise in float32,
 cast to the activation dtype, then multiply by the weight); only the order of the float32
-sum of squares differs.
+sum of squares differs. `silu_mul` does the MLP's activation, `F.silu(gate) * up` of the
+merged gate_up output, in one kernel where PyTorch launches two (silu, then the mul).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -77,6 +79,12 @@ def qk_rope_cache_reference(
     k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     return q
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:  # x: [..., 2N], gate then up
+    """The MLP's activation as transformers computes it, in x's dtype: [..., N]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 if triton is not None:
@@ -242,6 +250,26 @@ if triton is not None:
             kw_ptr, eps, c, s, HALF, BLOCK_HEADS, False, False,
         )  # fmt: skip
 
+    @triton.jit
+    def _silu_mul_kernel(
+        x_ptr,  # [T, 2N], gate then up; last dim contiguous
+        out_ptr,  # [T, N] contiguous
+        stride_xt,
+        N,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per row and BLOCK columns of it.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < N
+        gate = tl.load(x_ptr + row * stride_xt + cols, mask=m, other=0.0)
+        up = tl.load(x_ptr + row * stride_xt + N + cols, mask=m, other=0.0)
+        g = gate.to(tl.float32)
+        # rounded as F.silu rounds; tl.exp is the fast exp: equal in bf16, float32 within ulps
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        y = act.to(tl.float32) * up.to(tl.float32)  # then the mul, in float32, rounded
+        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
 
 def _use_triton(*tensors: torch.Tensor | None) -> bool:
     """The kernels have no backward: anything autograd must see (the trainer's forward)
@@ -328,6 +356,23 @@ def qk_rope_cache_triton(
     return q_out
 
 
+def silu_mul_triton(x):
+    """x: [..., 2N] whose last dim is contiguous (rows may be strided); the output is a
+    contiguous [..., N]."""
+    n = x.shape[-1] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = x.reshape(-1, 2 * n)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0 or n == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+        x2, out, x2.stride(0), n, BLOCK=block, num_warps=4
+    )
+    return out
+
+
 def qk_rope_cache(
     q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None,
     eps=0.0,
@@ -358,3 +403,10 @@ def rotary(q, k, cos, sin, positions):
     if _use_triton(q, k) and half & (half - 1) == 0:
         return rotary_triton(q, k, cos, sin, positions)
     return rotary_reference(q, k, cos, sin, positions)
+
+
+def silu_mul(x):
+    """F.silu(gate) * up of x = [gate, up] on its last dim; one Triton kernel on CUDA."""
+    if _use_triton(x):
+        return silu_mul_triton(x)
+    return silu_mul_reference(x)

@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionBackend
-from services.engine.kernels.norm_rope import qk_rope_cache
+from services.engine.kernels.norm_rope import qk_rope_cache, silu_mul
 from services.engine.model.config import ModelConfig
 from services.engine.model.layers import (
     MergedColumnParallelLinear,
@@ -110,8 +109,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -22,6 +22,9 @@ from services.engine.kernels.norm_rope import (
     rms_norm_triton,
     rotary_reference,
     rotary_triton,
+    silu_mul,
+    silu_mul_reference,
+    silu_mul_triton,
 )
 from services.engine.kernels.steer import INTERPRET
 from tests.interpreted import assert_passes_interpreted
@@ -288,3 +291,34 @@ def test_interpreted_qk_rope_cache_kernel_matches_reference(norm):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # another sum-of-squares order
     torch.testing.assert_close(kc, want_k, atol=1e-4, rtol=1e-4)
     assert torch.equal(vc, want_v)
+
+
+def test_silu_mul_with_grad_takes_the_reference_and_backpropagates():
+    """Autograd (the trainer's forward) gets the PyTorch ops, which have a backward."""
+    x = torch.randn(3, 2 * 40, requires_grad=True)
+    y = silu_mul(x)
+    gate, up = x.detach().chunk(2, dim=-1)
+    assert torch.equal(y.detach(), F.silu(gate) * up)
+    y.sum().backward()
+    want = torch.cat(
+        [torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate))) * up, F.silu(gate)], -1
+    )
+    torch.testing.assert_close(x.grad, want)
+
+
+@interpreted_only
+@pytest.mark.parametrize("n", [96, 1500])  # one partial block; two blocks of 1024, the last partial
+@pytest.mark.parametrize("rows", [1, 5])
+def test_interpreted_silu_mul_kernel_matches_reference(n, rows):
+    g = torch.Generator().manual_seed(n + rows)
+    x = 3 * torch.randn(rows, 2 * n, generator=g)
+    torch.testing.assert_close(silu_mul_triton(x), silu_mul_reference(x), atol=1e-4, rtol=1e-4)
+    # a row-strided input: the gate_up columns of a wider tensor, read in place
+    wide = 3 * torch.randn(rows, 2 * n + 10, generator=g)
+    x = wide[:, 7 : 7 + 2 * n]
+    got = silu_mul_triton(x)
+    assert got.is_contiguous() and got.shape == (rows, n)
+    torch.testing.assert_close(got, silu_mul_reference(x), atol=1e-4, rtol=1e-4)
+    # leading dims beyond one
+    x = torch.randn(2, rows, 2 * n, generator=g)
+    torch.testing.assert_close(silu_mul_triton(x), silu_mul_reference(x), atol=1e-4, rtol=1e-4)
