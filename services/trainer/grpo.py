@@ -17,6 +17,16 @@ One step:
    - `activation` (Arm B): rollouts whose pooled adapter-space activations project on the
      activation hack direction above τ train only the quarantine;
    - `placebo`: `route` with a random direction of the same shape;
+   - `kept-ablated` (design b): flags as Arm A's, but the kept δS takes its update in a
+     forward with the quarantine ablated (as deployed), from the unflagged rollouts only,
+     so it is trained to stand alone; the quarantine takes the flagged rollouts' gradient
+     in the forward with it present. Neither part's update sees the other's rollouts, and
+     the kept part never leans on a quarantine that deploy removes;
+   - `route-dropout` (design c): `route`, except that with probability
+     `quarantine_dropout` a step runs with the quarantine dropped from the forward (as
+     deployed), and that step's quarantine share is discarded (erase for that step);
+   every routed arm takes `oracle_flags` (the labels' upper bound) or `random_flags` (a
+   rate-matched placebo) in place of its own decision;
 5. the optimiser step, then metrics. The oracle labels (true pass, hacked) are read only
    outside the training scope, for logging and evaluation: as trained, and as deployed
    (quarantine ablated).
@@ -24,11 +34,12 @@ One step:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -78,7 +89,9 @@ from services.trainer.routing import (
 )
 from services.trainer.weight_sync import engine_adapter_state
 
-Arm = Literal["none", "erase", "route", "activation", "placebo"]
+Arm = Literal["none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout"]
+# Arms that move δS-basis gradient into δS_q, so need the same-basis quarantine ("svd").
+SAME_BASIS_ARMS = ("route", "placebo", "route-dropout")
 
 
 class GRPOConfig(BaseModel):
@@ -140,7 +153,16 @@ class GRPOConfig(BaseModel):
         "share gives it, per coordinate, the part of the step's total they pushed for "
         "(routing.apply_gradient_mask). recentre (every routed arm, Arm B too): δS gets "
         "the GRPO gradient of the unflagged rollouts alone, advantages re-centred among "
-        "them, and the quarantine the rest of the step's total",
+        "them, and the quarantine the rest of the step's total. kept-ablated: the kept "
+        "part's advantages in its forward without the quarantine (partition: the unflagged "
+        "rollouts' as sampled; recentre: re-centred among them; share does not apply)",
+    )
+    quarantine_dropout: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="arm route-dropout: the probability that a step drops the quarantine "
+        "from the forward (trains as deployed; that step's quarantine share is discarded)",
     )
     hack_pairs: int = Field(32, ge=2, description="pairs for the hack direction")
     hack_pairs_from: Literal["contrastive", "persona"] = Field(
@@ -192,10 +214,23 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> GRPOConfig:
-        if self.quarantine == "lora" and self.arm in ("route", "placebo"):
+        if self.quarantine == "lora" and self.arm in SAME_BASIS_ARMS:
             raise ValueError(
                 f"arm {self.arm!r} moves δS-basis gradient into δS_q and needs quarantine "
-                "'svd'; with a LoRA quarantine use arm 'erase', 'activation' or 'none'"
+                "'svd'; with a LoRA quarantine use arm 'erase', 'activation', 'kept-ablated' "
+                "or 'none'"
+            )
+        if (self.arm == "route-dropout") != (self.quarantine_dropout is not None):
+            raise ValueError(
+                "quarantine_dropout (a probability in [0, 1]) goes with arm 'route-dropout' "
+                f"and only with it; got arm {self.arm!r}, quarantine_dropout "
+                f"{self.quarantine_dropout!r}"
+            )
+        if self.arm == "kept-ablated" and self.route_split == "share":
+            raise ValueError(
+                "arm 'kept-ablated' takes the kept update in another forward than the "
+                "quarantine's, so there is no step total to share: use route_split "
+                "'partition' or 'recentre'"
             )
         if self.random_flags is not None and self.arm == "none":
             raise ValueError("random_flags replaces a routed arm's decision: pick an arm")
@@ -263,6 +298,7 @@ class StepMetrics:
     sum_norm: float = 0.0
     staleness: float = 0.0  # mean policy-version lag of the step's groups (async rollouts)
     dropped_stale: int = 0  # groups dropped as too stale (async rollouts)
+    quarantine_dropped: bool = False  # route-dropout: the step ran without the quarantine
 
 
 def auroc(scores: list[float], labels: list[bool]) -> float | None:
@@ -528,63 +564,15 @@ class GRPOTrainer:
             with torch.no_grad(), adapters.disabled():
                 ref, _ = self._completion_logp(batch, width)
         self.optimizer.zero_grad(set_to_none=True)
-        B = batch.batch_size
-        scores = torch.zeros(B)
-        flagged = torch.zeros(B, dtype=torch.bool)
-        leakage = 0.0
-
-        def loss_of() -> Any:
-            logp, mask = self._completion_logp(batch, width)
-            return grpo_loss(logp, old_logp, adv, mask, self.loss_config, ref_logp=ref)
-
         # Flags fixed before the backward: rate-matched random ones, or the oracle's labels.
-        placebo = self._random_flags(B) if cfg.random_flags is not None else oracle
-        if cfg.arm == "activation" and cfg.activation_granularity == "token":
-            assert self.direction is not None
-            with adapters.mask_tokens(self.direction.vectors, B, cfg.tau) as token_flags:
-                out = loss_of()
-                out.loss.backward()
-            leakage = gradient_leakage(adapters)
-            # Per rollout: the share of its completion tokens flagged, over modules.
-            share = torch.stack(list(token_flags.values())).float().mean(0)  # [B, T]
-            real = batch.loss_mask.to(share)
-            scores = ((share * real).sum(1) / real.sum(1).clamp(min=1)).cpu()
-            flagged = scores > 0.5
-        elif cfg.route_split == "recentre" and cfg.arm != "none":
-            if placebo is None:
-                flagged, scores = self._decide(batch, rolled, loss_of)
-            else:
-                flagged = placebo
-            out, leakage = self._recentred_backward(batch, old_logp, rewards, adv, flagged, ref)
-        elif cfg.arm in ("erase", "route", "placebo"):
-            assert self.direction is not None
-            mode: RouteMode = "erase" if cfg.arm == "erase" else "route"
-            with adapters.gates(B, kind=cfg.gate) as gates:
-                out = loss_of()
-                out.loss.backward()
-                if placebo is None:
-                    stats = route_gradients(
-                        adapters, gates, self.direction, cfg.tau, mode, cfg.gate,
-                        split=cfg.route_split,
-                    )  # fmt: skip
-                    scores, flagged, leakage = stats.scores.detach(), stats.flagged, stats.leakage
-                else:
-                    grads = rollout_gradients(adapters, gates, cfg.gate)
-                    flagged = placebo
-                    leakage = apply_gradient_mask(adapters, grads, flagged, mode, cfg.route_split)
-        elif cfg.arm == "activation":
-            if placebo is None:
-                flagged, scores = self._decide(batch, rolled, loss_of)
-            else:
-                flagged = placebo
-            with adapters.mask_rollouts(flagged, mode="route"):
-                out = loss_of()
-                out.loss.backward()
-            leakage = gradient_leakage(adapters)
-        else:
-            out = loss_of()
-            out.loss.backward()
-            for p in adapters.quarantine_parameters():  # vanilla: the kept δS learns it all
+        placebo = self._random_flags(batch.batch_size) if cfg.random_flags is not None else oracle
+        dropped = self._quarantine_dropped()
+        with adapters.deploy() if dropped else contextlib.nullcontext():
+            out, flagged, scores, leakage = self._routed_backward(
+                batch, rolled, old_logp, rewards, adv, ref, placebo
+            )
+        if dropped:  # the quarantine was not in the forward: it learns nothing this step
+            for p in adapters.quarantine_parameters():
                 p.grad = None
         self.optimizer.step()
         kept_norm, quarantine_norm, sum_norm = self._adapter_norms()
@@ -600,7 +588,85 @@ class GRPOTrainer:
             kept_norm=kept_norm,
             quarantine_norm=quarantine_norm,
             sum_norm=sum_norm,
+            quarantine_dropped=dropped,
         ), scores.detach().cpu()
+
+    def _routed_backward(
+        self,
+        batch: TokenBatch,
+        rolled: list[TrainingRollout],
+        old_logp: torch.Tensor,
+        rewards: torch.Tensor,
+        adv: torch.Tensor,
+        ref: torch.Tensor | None,
+        placebo: torch.Tensor | None,
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, float]:
+        """The configured arm's backward, leaving each adapter parameter's `.grad` as the arm
+        routes it. `placebo`: flags fixed in advance (random or the oracle's) in place of the
+        arm's own decision. Returns the loss's output (for metrics), the `[B]` flags, the
+        gate's scores and the leakage."""
+        cfg, adapters = self.cfg, self.adapters
+        arm = "route" if cfg.arm == "route-dropout" else cfg.arm  # the dropout is _update's
+        width = old_logp.shape[1]
+        B = batch.batch_size
+        scores = torch.zeros(B)
+        flagged = torch.zeros(B, dtype=torch.bool)
+        leakage = 0.0
+
+        def loss_of() -> Any:
+            logp, mask = self._completion_logp(batch, width)
+            return grpo_loss(logp, old_logp, adv, mask, self.loss_config, ref_logp=ref)
+
+        def decide() -> tuple[torch.Tensor, torch.Tensor]:
+            if placebo is not None:
+                return placebo, scores
+            return self._decide(batch, rolled, loss_of)
+
+        if arm == "activation" and cfg.activation_granularity == "token":
+            assert self.direction is not None
+            with adapters.mask_tokens(self.direction.vectors, B, cfg.tau) as token_flags:
+                out = loss_of()
+                out.loss.backward()
+            leakage = gradient_leakage(adapters)
+            # Per rollout: the share of its completion tokens flagged, over modules.
+            share = torch.stack(list(token_flags.values())).float().mean(0)  # [B, T]
+            real = batch.loss_mask.to(share)
+            scores = ((share * real).sum(1) / real.sum(1).clamp(min=1)).cpu()
+            flagged = scores > 0.5
+        elif arm == "kept-ablated":
+            flagged, scores = decide()
+            out, leakage = self._kept_ablated_backward(batch, old_logp, rewards, adv, flagged, ref)
+        elif cfg.route_split == "recentre" and arm != "none":
+            flagged, scores = decide()
+            out, leakage = self._recentred_backward(batch, old_logp, rewards, adv, flagged, ref)
+        elif arm in ("erase", "route", "placebo"):
+            assert self.direction is not None
+            mode: RouteMode = "erase" if arm == "erase" else "route"
+            with adapters.gates(B, kind=cfg.gate) as gates:
+                out = loss_of()
+                out.loss.backward()
+                if placebo is None:
+                    stats = route_gradients(
+                        adapters, gates, self.direction, cfg.tau, mode, cfg.gate,
+                        split=cfg.route_split,
+                    )  # fmt: skip
+                    scores, flagged, leakage = stats.scores.detach(), stats.flagged, stats.leakage
+                else:
+                    grads = rollout_gradients(adapters, gates, cfg.gate)
+                    flagged = placebo
+                    leakage = apply_gradient_mask(adapters, grads, flagged, mode, cfg.route_split)
+        elif arm == "activation":
+            flagged, scores = decide()
+            with adapters.mask_rollouts(flagged, mode="route"):
+                out = loss_of()
+                out.loss.backward()
+            leakage = gradient_leakage(adapters)
+        else:
+            out = loss_of()
+            out.loss.backward()
+            for p in adapters.quarantine_parameters():  # vanilla: the kept δS learns it all
+                p.grad = None
+        return out, flagged, scores, leakage
 
     def _probe_flags(self, rolled: list[TrainingRollout]) -> tuple[torch.Tensor, torch.Tensor]:
         """Arm B by the residual hack probe: each rollout's mean read-out while it was
@@ -671,6 +737,52 @@ class GRPOTrainer:
         total = kept_sq**0.5 + routed_sq**0.5
         return full, (routed_sq**0.5 / total if total > 0 else 0.0)
 
+    def _kept_ablated_backward(
+        self,
+        batch: TokenBatch,
+        old_logp: torch.Tensor,
+        rewards: torch.Tensor,
+        adv: torch.Tensor,
+        flagged: torch.Tensor,
+        ref: torch.Tensor | None,
+    ) -> tuple[Any, float]:
+        """Design (b), arm `kept-ablated`. The kept δS gets the GRPO gradient of the unflagged
+        rollouts in a forward with the quarantine ablated, as deployed: it is trained to stand
+        alone, never to lean on (or to cancel) a quarantine that deploy removes. Its
+        advantages are the unflagged rollouts' (`recentre`: re-centred among them;
+        `partition`: as sampled, the flagged ones' zeroed) and its KL term, if any, is the
+        deployed policy's. The quarantine gets the flagged rollouts' policy gradient in the
+        forward with it present, where it acts while training; with no flags it gets exactly
+        zero. Both ratios are against the sampling policy's logprobs (kept + quarantine):
+        the ablated policy is importance-weighted and clipped like any policy the rollouts
+        were not drawn from.
+
+        Returns the full loss's output in the forward with the quarantine present (for
+        metrics) and the leakage (`routing.gradient_leakage`)."""
+        cfg, adapters = self.cfg, self.adapters
+        width = old_logp.shape[1]
+        unflagged = ~flagged.to(adv.device)
+        if cfg.route_split == "recentre":
+            kept_adv = subset_advantages(
+                rewards.to(adv), cfg.group_size, unflagged, scale=cfg.advantage
+            )
+        else:
+            kept_adv = torch.where(unflagged, adv, 0)
+        with adapters.deploy():
+            logp, mask = self._completion_logp(batch, width)
+        kept = grpo_loss(logp, old_logp, kept_adv, mask, self.loss_config, ref_logp=ref)
+        logp, mask = self._completion_logp(batch, width)
+        full = grpo_loss(logp, old_logp, adv, mask, self.loss_config, ref_logp=ref)
+        policy_only = replace(self.loss_config, kl_coef=0.0)
+        routed = grpo_loss(logp, old_logp, torch.where(unflagged, 0, adv), mask, policy_only)
+        for params, loss in (
+            (adapters.kept_parameters(), kept.loss),
+            (adapters.quarantine_parameters(), routed.loss),
+        ):
+            for p, g in zip(params, self._grads(loss, params), strict=True):
+                p.grad = g
+        return full, gradient_leakage(adapters)
+
     @staticmethod
     def _grads(loss: torch.Tensor, params: list, retain_graph: bool = False) -> list:
         grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
@@ -681,6 +793,15 @@ class GRPOTrainer:
         run's seed and the step (a rate-matched placebo's decision)."""
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_index + 17)
         return torch.rand(n, generator=g) < self.cfg.random_flags
+
+    def _quarantine_dropped(self) -> bool:
+        """Arm `route-dropout`: whether this step drops the quarantine from the forward, with
+        probability `quarantine_dropout`, seeded by the run's seed and the step (a stream of
+        its own, apart from a placebo's flags)."""
+        if self.cfg.quarantine_dropout is None:
+            return False
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_index + 29)
+        return bool(torch.rand(1, generator=g) < self.cfg.quarantine_dropout)
 
     @torch.no_grad()
     def _adapter_norms(self) -> tuple[float, float, float]:

@@ -17,6 +17,7 @@ from services.common.errors import InvalidRequestError
 from services.engine import SamplingParams
 from services.trainer.envs import ENVS, EvalLabelAccessError, EvalLabels, Grade
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, auroc, read_log, run
+from services.trainer.grpo_loss import group_advantages, subset_advantages
 from services.trainer.pretrain import CHAR_VOCAB
 from services.trainer.probe import HackProbe
 from services.trainer.rollouts import TrainingRollout
@@ -63,6 +64,8 @@ def _deltas(trainer: GRPOTrainer) -> tuple[torch.Tensor, torch.Tensor]:
         ("erase", -2.0, False, False),  # every rollout flagged and erased: nothing learns
         ("activation", -1e9, False, True),  # Arm B, every rollout flagged
         ("route", 2.0, True, False),  # nothing flagged (cos <= 1): as vanilla
+        ("kept-ablated", -2.0, False, True),  # every rollout flagged: the kept part has none
+        ("kept-ablated", 2.0, True, False),  # none flagged: the quarantine gets exactly 0
     ],
 )
 def test_routing_arms_move_the_kept_or_the_quarantine(
@@ -132,11 +135,23 @@ def _reaches_labels(*roots) -> bool:
     return False
 
 
-def test_training_cannot_reach_the_oracle_labels(path, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"arm": "kept-ablated"},
+        {"arm": "kept-ablated", "random_flags": 0.3, "route_split": "recentre"},
+        {"arm": "route-dropout", "quarantine_dropout": 0.5},
+        {"arm": "route-dropout", "quarantine_dropout": 0.5, "random_flags": 0.3},
+    ],
+    ids=["vanilla", "kept-ablated", "kept-ablated~placebo", "route-dropout", "dropout~placebo"],
+)
+def test_training_cannot_reach_the_oracle_labels(path, tmp_path, monkeypatch, kw):
     """By construction: the update is given rollouts of a type with no label field, and no
-    label is reachable from anything it is given. The training scope still catches a read
-    through any other path."""
-    trainer = GRPOTrainer(_config(path, tmp_path))
+    label is reachable from anything it is given, in every label-free arm (its own flags or
+    a rate-matched placebo's). The training scope still catches a read through any other
+    path."""
+    trainer = GRPOTrainer(_config(path, tmp_path, **kw))
     trainer.sync_weights()
     assert _reaches_labels(trainer.rollouts(["12+34="]))  # the walk does find them
     given = []
@@ -213,11 +228,20 @@ def test_random_flags_make_a_rate_matched_placebo(path, tmp_path):
         _config(path, tmp_path, random_flags=0.5)  # arm "none" has no decision to replace
 
 
-def test_oracle_flags_route_exactly_the_labelled_hacks(path, tmp_path):
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"arm": "route"},
+        {"arm": "kept-ablated"},
+        {"arm": "route-dropout", "quarantine_dropout": 0.5},
+    ],
+    ids=["route", "kept-ablated", "route-dropout"],
+)
+def test_oracle_flags_route_exactly_the_labelled_hacks(path, tmp_path, kw):
     """The upper-bound arm: every rollout the oracle labels a hack is flagged, no other, so
     each step's flagged share is its (eval-only) rollout hack rate; a config that asks for
     it without an arm, or beside random flags, is refused."""
-    cfg = _config(path, tmp_path, steps=3, arm="route", oracle_flags=True, tau=2.0)
+    cfg = _config(path, tmp_path, steps=3, oracle_flags=True, tau=2.0, **kw)
     train = [r for r in run(cfg) if r["kind"] == "train"]
     # (flagged is a float32 mean, the hack rate a Python one)
     assert [r["flagged"] for r in train] == pytest.approx([r["rollout_hack_rate"] for r in train])
@@ -346,3 +370,133 @@ def test_per_token_arm_b_trains_both_parts_and_is_checked(path, tmp_path):
     for bad in ({"arm": "route"}, {"arm": "activation", "random_flags": 0.5}):
         with pytest.raises(pydantic.ValidationError, match="activation_granularity"):
             _config(path, tmp_path, activation_granularity="token", **bad)
+
+
+def _hand_loss(logp, old_logp, adv, mask, eps=0.2):
+    """GRPO's clipped surrogate by hand (token mean, no KL): −Σ min(ρA, clip(ρ)A) / Σ mask."""
+    ratio = torch.exp(torch.where(mask, logp - old_logp, torch.zeros_like(logp)))
+    a = adv[:, None]
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def _step_batch(trainer):
+    """One step's rollouts under the synced policy, as the update gets them."""
+    trainer.sync_weights()
+    rolled = trainer.rollouts(trainer.env.sample_prompts(trainer.cfg.prompts_per_step, trainer.rng))
+    training = [r.for_training() for r in rolled]
+    rewards = torch.tensor([r.reward for r in training])
+    assert 0 < rewards.sum() < len(rewards), "the test needs reward variance"
+    batch, old_logp = trainer._batch(training)
+    return training, rewards, batch, old_logp
+
+
+class _QuarantineZeroed:
+    """The quarantine's parameters written to zero (δS_q, or the LoRA's B_q) and restored:
+    an ablation by hand, not through `AdapterSet.deploy`."""
+
+    def __init__(self, trainer):
+        mods = trainer.adapters.modules.values()
+        self.params = [m.delta_s_q if m.delta_s_q is not None else m.lora_b_q for m in mods]
+
+    def __enter__(self):
+        self.saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p in self.params:
+                p.zero_()
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for p, v in zip(self.params, self.saved, strict=True):
+                p.copy_(v)
+
+
+@pytest.mark.parametrize(
+    "quarantine,split", [("svd", "partition"), ("lora", "recentre")], ids=["svd", "lora"]
+)
+def test_kept_ablated_update_is_the_gradient_with_the_quarantine_zeroed(
+    path, tmp_path, quarantine, split
+):
+    """Design (b): the kept δS's gradient is the gradient of the unflagged rollouts' GRPO
+    loss computed with the quarantine's parameters zeroed by hand, and the quarantine's is
+    the flagged rollouts' loss with it present; the quarantine is large enough here that
+    the kept gradient with it present would be another one."""
+    cfg = _config(
+        path, tmp_path, arm="kept-ablated", quarantine=quarantine, route_split=split,
+        kept_init=0.05, quarantine_init=0.5,
+    )  # fmt: skip
+    trainer = GRPOTrainer(cfg)
+    _, rewards, batch, old_logp = _step_batch(trainer)
+    adv = group_advantages(rewards, cfg.group_size).to(old_logp)
+    flagged = torch.arange(batch.batch_size) % 3 == 0
+    kept_adv = torch.where(flagged, 0, adv)
+    if split == "recentre":
+        kept_adv = subset_advantages(rewards, cfg.group_size, ~flagged).to(old_logp)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer._kept_ablated_backward(batch, old_logp, rewards, adv, flagged, None)
+    adapters, width = trainer.adapters, old_logp.shape[1]
+    kept_params, q_params = adapters.kept_parameters(), adapters.quarantine_parameters()
+    got_kept = [p.grad.clone() for p in kept_params]
+    got_q = [p.grad.clone() for p in q_params]
+
+    def grads(adv, params):
+        logp, mask = trainer._completion_logp(batch, width)
+        return torch.autograd.grad(_hand_loss(logp, old_logp, adv, mask), params)
+
+    with _QuarantineZeroed(trainer):
+        want_kept = grads(kept_adv, kept_params)
+    for got, want in zip(got_kept, want_kept, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert any(g.abs().max() > 1e-4 for g in got_kept)
+    present = grads(kept_adv, kept_params)
+    assert any(not torch.allclose(p, w, atol=1e-5) for p, w in zip(present, want_kept, strict=True))
+    want_q = grads(torch.where(flagged, adv, 0), q_params)
+    for got, want in zip(got_q, want_q, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert any(g.abs().max() > 1e-4 for g in got_q)
+
+
+@pytest.mark.parametrize("split", ["partition", "recentre"])
+def test_quarantine_dropout_of_one_trains_the_kept_part_in_the_ablated_forward(
+    path, tmp_path, split
+):
+    """Design (c) at p = 1: every step runs the forward as deployed (its loss is the loss
+    with the quarantine zeroed by hand, not the one with it present), and the quarantine,
+    though it holds a value and some rollouts are flagged, gets no gradient."""
+    cfg = _config(
+        path, tmp_path, arm="route-dropout", quarantine_dropout=1.0, route_split=split,
+        random_flags=0.3, quarantine_init=0.5, seed=3,  # unflagged rewards differ
+    )  # fmt: skip
+    trainer = GRPOTrainer(cfg)
+    training, rewards, batch, old_logp = _step_batch(trainer)
+    adv = group_advantages(rewards, cfg.group_size).to(old_logp)
+    with torch.no_grad():
+        logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
+        present = float(_hand_loss(logp, old_logp, adv, mask))
+        with _QuarantineZeroed(trainer):
+            logp, mask = trainer._completion_logp(batch, old_logp.shape[1])
+            ablated = float(_hand_loss(logp, old_logp, adv, mask))
+    assert ablated != pytest.approx(present, abs=1e-4)
+    kept0, q0 = _deltas(trainer)
+    metrics, _ = trainer._update(training, rewards)
+    assert metrics.quarantine_dropped and 0 < metrics.flagged < 1
+    assert metrics.loss == pytest.approx(ablated, abs=1e-5)
+    kept1, q1 = _deltas(trainer)
+    assert torch.equal(q0, q1) and not torch.equal(kept0, kept1)
+    assert all(p.grad is None for p in trainer.adapters.quarantine_parameters())
+
+
+def test_quarantine_dropout_of_zero_is_route(path, tmp_path):
+    """Design (c) at p = 0 never drops the quarantine: bit for bit the `route` arm."""
+
+    def trained(name: str, **kw) -> dict:
+        cfg = _config(path, tmp_path / name, steps=2, random_flags=0.5, **kw)
+        records = [r for r in run(cfg) if r["kind"] == "train"]
+        assert not any(r["quarantine_dropped"] for r in records)
+        return torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["adapters"]
+
+    route = trained("route", arm="route")
+    dropout = trained("dropout", arm="route-dropout", quarantine_dropout=0.0)
+    assert route.keys() == dropout.keys()
+    assert all(torch.equal(route[k], dropout[k]) for k in route)
+    assert any(k.endswith("delta_s_q") and route[k].abs().max() > 0 for k in route)
