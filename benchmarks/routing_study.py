@@ -11,7 +11,11 @@ Arms: `base` (no RL, the lower bound: the vanilla runs' step-0 evaluation), `non
 GRPO), `ceiling`, `erase` / `route` (Arm A, gradient gate), `activation` (Arm B, activation
 gate), `placebo` (Arm A with a random direction); `ARM~placebo` is ARM with each rollout
 flagged at random at ARM's measured rate, `ARM~oracle` flags by the labels (the upper
-bound; the only runs whose update sees labels). Hack directions come from persona pairs
+bound; the only runs whose update sees labels). Designs that train the kept part to stand
+alone (issue 28), flagged as Arm A: `kept-ablated` (the kept δS updated in a forward with
+the quarantine ablated, the quarantine on the flagged rollouts with it present) and
+`route-dropoutP` (`route` with the quarantine dropped from the forward of a step with
+probability P, e.g. `route-dropout0.25`). Hack directions come from persona pairs
 (`--hack-pairs persona`: the base's own answers when asked for the shortcut vs for honest
 work) where the env has personas. The split (`--split recentre`) gives δS the unflagged
 rollouts' own GRPO gradient and δS_q the rest.
@@ -62,7 +66,9 @@ from services.trainer.grpo import run as grpo_run
 from services.trainer.pretrain import PretrainConfig, pretrain
 from services.trainer.study_stats import compare_arms, mean_interval
 
-ARMS = ("none", "erase", "route", "activation", "placebo")
+ARMS = ("none", "erase", "route", "activation", "placebo", "kept-ablated")
+# `route-dropoutP`: arm route-dropout with quarantine_dropout P (`route-dropout0.25`).
+DROPOUT_ARM = "route-dropout"
 # Reference rows: `base` (the pretrained policy, no RL: the lower bound) and `ceiling`
 # (vanilla GRPO on the same task with an ungameable grader: the skill RL can teach).
 REFERENCES = ("base", "ceiling")
@@ -75,8 +81,16 @@ QUICK_ARMS = (
     "base,none,ceiling,activation,activation~placebo,activation~oracle,probe,probe~placebo,"
     "erase~oracle"
 )
-# The headline's arms (the defaults): the quick ones and Arm A with its placebo, Arm B per token.
-HEADLINE_ARMS = QUICK_ARMS + ",route,route~placebo,token"
+# The designs that train the kept part to stand alone (issue 28, item 2 b and c), each with
+# its rate-matched placebo and its oracle-flag bound.
+DESIGN_ARMS = ",".join(
+    f"{arm}{variant}"
+    for arm in ("kept-ablated", "route-dropout0.25", "route-dropout0.5")
+    for variant in ("", "~placebo", "~oracle")
+)
+# The headline's arms (the defaults): the quick ones, Arm A with its placebo, Arm B per
+# token and the designs above.
+HEADLINE_ARMS = QUICK_ARMS + ",route,route~placebo,token," + DESIGN_ARMS
 EMERGED = 0.5  # a vanilla run "hacks" when its final greedy hack rate reaches this
 # Per env: pretraining steps and the share of plain-prompt demonstrations that hack, chosen
 # so the base solves 20-40% greedily and hacks rarely (see ChecksumAdditionEnv).
@@ -154,15 +168,27 @@ def pretrain_base(
     return time.perf_counter() - t0
 
 
+def dropout_of(arm: str) -> float | None:
+    """P of a `route-dropoutP` arm (a probability), None for any other arm."""
+    if not arm.startswith(DROPOUT_ARM):
+        return None
+    try:
+        p = float(arm.removeprefix(DROPOUT_ARM))
+    except ValueError:
+        return None
+    return p if 0 <= p <= 1 else None
+
+
 def parse_arm(spec: str) -> tuple[str, str | None]:
     """`"ARM"` or `"ARM~placebo"` / `"ARM~oracle"` -> (arm, variant); `ceiling` and `base`
     are vanilla runs (on the ungameable grader; not trained at all)."""
     arm, _, variant = spec.partition("~")
     known = (*ARMS, PROBE_ARM, TOKEN_ARM, *REFERENCES)
-    if arm not in known or variant not in ("", "placebo", "oracle"):
+    if (arm not in known and dropout_of(arm) is None) or variant not in ("", "placebo", "oracle"):
         raise SystemExit(
-            f"unknown arm {spec!r}: use one of {', '.join(known)}, optionally "
-            "with ~placebo (rate-matched random flags) or ~oracle (the labels' upper bound)"
+            f"unknown arm {spec!r}: use one of {', '.join(known)} or {DROPOUT_ARM}P (P a "
+            "probability, e.g. route-dropout0.25), optionally with ~placebo (rate-matched "
+            "random flags) or ~oracle (the labels' upper bound)"
         )
     if variant and arm in ("none", TOKEN_ARM, *REFERENCES):
         raise SystemExit(f"{spec!r}: {arm!r} has no {variant} variant")
@@ -217,6 +243,13 @@ def plan(args: argparse.Namespace) -> list[Run]:
     ]
 
 
+def grpo_arm(arm: str) -> str:
+    """The `GRPOConfig.arm` a study arm trains (`ceiling` is vanilla GRPO on the exact grader)."""
+    if dropout_of(arm) is not None:
+        return DROPOUT_ARM
+    return {"ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation"}.get(arm, arm)
+
+
 def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | None) -> GRPOConfig:
     """The GRPO configuration of `run` on the checkpoint `base`; `rate` is the flag rate of a
     placebo's random flags."""
@@ -224,9 +257,8 @@ def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | Non
         model=str(base),
         env=args.env,
         env_args={"grader": "exact"} if run.arm == "ceiling" else {},
-        arm={"ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation"}.get(
-            run.arm, run.arm
-        ),
+        arm=grpo_arm(run.arm),
+        quarantine_dropout=dropout_of(run.arm),
         probe_layer=args.probe_layer,
         activation_space="residual" if run.arm == PROBE_ARM else "adapter",
         activation_granularity="token" if run.arm == TOKEN_ARM else "rollout",
@@ -732,7 +764,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="svd",
         choices=["svd", "lora"],
         help="svd: δS_q in the kept part's basis; lora: a LoRA of its own basis (Arm A's "
-        "route and placebo need svd)",
+        "route, placebo and route-dropoutP need svd)",
     )
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument(
