@@ -453,11 +453,21 @@ class CommandParser(argparse.ArgumentParser):
         self.set_defaults(command_parser=self)
 
 
+def _version() -> str:
+    """The installed package's version; from the source tree's pyproject.toml where the
+    tree runs uninstalled (on `PYTHONPATH`, as the offline bundle's hosts run it)."""
+    try:
+        return importlib.metadata.version("coxswain")
+    except importlib.metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="coxswain", description=__doc__)
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {importlib.metadata.version('coxswain')}"
-    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="checkpoint tools").add_subparsers(

@@ -179,6 +179,24 @@ def test_a_missing_model_is_worded_the_same_by_every_command(tmp_path):
     )
 
 
+def test_the_cli_runs_from_an_uninstalled_tree(monkeypatch):
+    """Offline GPU hosts run the tree from PYTHONPATH, with no package metadata: the CLI
+    must still build (its --version then comes from pyproject.toml)."""
+    import importlib.metadata
+    import tomllib
+
+    from services import cli
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    pyproject = tomllib.loads((Path(cli.__file__).parents[1] / "pyproject.toml").read_text())
+    parser = cli.build_parser()
+    version = next(a for a in parser._actions if a.dest == "version").version
+    assert version == f"%(prog)s {pyproject['project']['version']}"
+
+
 def test_version_and_help_of_every_option_with_its_default():
     from importlib.metadata import version
 
