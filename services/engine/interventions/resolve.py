@@ -188,9 +188,8 @@ def digest(*parts: Any) -> bytes:
 def row_content(vectors: dict[SiteKey, torch.Tensor], gates: dict[SiteKey, GateRow]) -> RowContent:
     if not vectors and not gates:
         return RowContent()
-    parts: list[Any] = []
-    for key in sorted(vectors):
-        parts += ["v", key, vectors[key]]
+    keys = sorted(vectors)
+    parts: list[Any] = ["v", keys, *(vectors[key] for key in keys)]  # one repr for the keys
     for key in sorted(gates):
         g = gates[key]
         parts += ["g", key, g.probe, g.vector, g.threshold, g.sharpness, g.scale]
@@ -329,7 +328,14 @@ class Resolver:
             self.probe_read(c, f"steering.abort_when[{i}]", threshold=True)
             for i, c in enumerate(spec.abort_when)
         ]
-        return ResolvedSteering(row_content(prefill, {}), row_content(decode, gates), aborts)
+        decode_row = row_content(decode, gates)
+        same = (
+            not gates
+            and prefill.keys() == decode.keys()
+            and all(prefill[k] is decode[k] for k in prefill)
+        )  # phase "both" without gates: one content, digested once
+        prefill_row = decode_row if same else row_content(prefill, {})
+        return ResolvedSteering(prefill_row, decode_row, aborts)
 
     def probe_read(
         self, c: ProbeCondition | Readout, what: str, threshold: bool = False
