@@ -8,7 +8,8 @@ into their cache slots (five kernels a layer before). All compute exactly what t
 references compute, rounding where they round (transformers' order: normalise in float32,
 cast to the activation dtype, then multiply by the weight); only the order of the float32
 sum of squares differs. `silu_mul` does the MLP's activation, `F.silu(gate) * up` of the
-merged gate_up output, in one kernel where PyTorch launches two (silu, then the mul).
+merged gate_up output, in one kernel where PyTorch launches two (silu, then the mul); its
+fast exp matches PyTorch exactly in bf16 and within a few ulps in float32.
 """
 
 from __future__ import annotations
