@@ -6,9 +6,11 @@ and that shape (`1`: one replica, `2`: two replicas, `tp2`: one TP=2 replica), p
 each replica's GPU memory went (nvidia-smi), measures `benchmarks/serving.py --url ...
 --throughput`, then `coxswain down`. The baseline is `benchmarks/serving.py --throughput`
 without `--url` (the engine in this process, uvicorn in child processes) at the engine
-settings `up` resolves on CUDA. With `--kill`, a second run on two replicas kills one
-replica's process mid-run and reports the requests that failed, how long the replica took
-to come back, and whether a vector registered before the kill is still there.
+settings `up` resolves on CUDA. The load comes from `--client-processes` processes (one
+Python SSE reader tops out near 10k chunks/s). With `--kill`, a second run on two replicas
+kills one replica's process once `/v1/stats` shows it holding streams, and reports how many
+it held, the requests that failed, how long the replica took to come back, and whether a
+vector registered before the kill is still there.
 
     PYTHONPATH=. python3 benchmarks/cluster_serving.py --shape qwen3-0.6b --kill
 
