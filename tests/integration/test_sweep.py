@@ -11,7 +11,8 @@ import torch
 
 from services.common.errors import InvalidRequestError, RunNotFoundError
 from services.engine import SamplingParams
-from services.engine.sweep import StepDriver, Sweep, SweepSpec, align
+from services.engine.sweep import StepDriver, Sweep, SweepSpec
+from services.engine.sweep_plan import align
 from tests.integration.test_steering import _engine, _prompt, _run
 from tests.oracle import hf_edited_logprobs, hf_logprobs, hf_residuals
 
@@ -286,11 +287,11 @@ def test_text_spans_select_the_tokens_that_cover_them(path):
     )
     sweep = Sweep(engine, spec)
     ids = engine.tokenizer.encode(corrupt)
-    span = [p for p in sweep.positions if p != 0]
+    span = [p for p in sweep.plan.positions if p != 0]
     assert span and " cat" in engine.tokenizer.decode([ids[p] for p in span])
-    assert sweep.positions[-1] == 0
+    assert sweep.plan.positions[-1] == 0
     res = sweep.run()
-    assert res.positions == sweep.positions and not np.isnan(res.grid).all()
+    assert res.positions == sweep.plan.positions and not np.isnan(res.grid).all()
     missing = SweepSpec(
         corrupt_prompt=corrupt, clean_prompt=clean, answer_token=ANSWER, positions=["zebra"]
     )
