@@ -59,6 +59,14 @@ from services.trainer.envs import (
     make_env,
     training_scope,
 )
+from services.trainer.gates import (
+    GateDecision,
+    flag_quality,
+    flip_flags,
+    pair_midpoint,
+    pair_scores,
+    quantile_threshold,
+)
 from services.trainer.grpo_loss import (
     GRPOLossConfig,
     group_advantages,
@@ -78,14 +86,14 @@ from services.trainer.routing import (
     HackDirection,
     RouteMode,
     activation_direction,
-    activation_flags,
+    activation_scores,
     apply_gradient_mask,
+    capture_pooled,
     gradient_direction,
     gradient_leakage,
     gradient_scores,
     random_direction,
     rollout_gradients,
-    route_gradients,
 )
 from services.trainer.weight_sync import engine_adapter_state
 
@@ -164,6 +172,29 @@ class GRPOConfig(BaseModel):
         description="arm route-dropout: the probability that a step drops the quarantine "
         "from the forward (trains as deployed; that step's quarantine share is discarded)",
     )
+    oracle_flip: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="with oracle_flags, a noisy oracle: each step flips this share of the "
+        "oracle's flags (floor(share·B + u) rollouts, u uniform, seeded by the run's seed and "
+        "the step; gates.flip_flags), logged per step as oracle_flipped",
+    )
+    gate_calibration: Literal["none", "quantile", "midpoint"] = Field(
+        "none",
+        description="re-estimate the gate's τ from the current policy, without labels "
+        "(gates.py): quantile flags the top gate_quantile of each step's own scores; "
+        "midpoint sets τ to the midpoint of the hack pairs' mean scores (hacking and clean) "
+        "under the current policy. Either every calibrate_every steps; none keeps tau fixed. "
+        "Rollout-level gates deciding by their own scores only (no random_flags, oracle_flags "
+        "or per-token gate; midpoint not with the residual probe)",
+    )
+    gate_quantile: float | None = Field(
+        None, gt=0, lt=1, description="gate_calibration quantile: the share of rollouts flagged"
+    )
+    calibrate_every: int = Field(
+        1, ge=1, description="gate_calibration: steps between re-estimates of τ"
+    )
     hack_pairs: int = Field(32, ge=2, description="pairs for the hack direction")
     hack_pairs_from: Literal["contrastive", "persona"] = Field(
         "contrastive",
@@ -239,6 +270,25 @@ class GRPOConfig(BaseModel):
                 "oracle_flags replaces a routed arm's decision with the labels: pick an arm "
                 "and leave random_flags unset"
             )
+        if self.oracle_flip is not None and not self.oracle_flags:
+            raise ValueError("oracle_flip flips the oracle's flags: set oracle_flags")
+        if (self.gate_calibration == "quantile") != (self.gate_quantile is not None):
+            raise ValueError(
+                "gate_quantile (the share flagged) goes with gate_calibration 'quantile' and "
+                f"only with it; got {self.gate_calibration!r}, gate_quantile {self.gate_quantile!r}"
+            )
+        if self.gate_calibration != "none" and (
+            self.arm == "none"
+            or self.random_flags is not None
+            or self.oracle_flags
+            or self.activation_granularity == "token"
+            or (self.gate_calibration == "midpoint" and self.activation_space == "residual")
+        ):
+            raise ValueError(
+                "gate_calibration re-estimates the τ of a routed arm that flags rollouts by its "
+                "own scores: pick an arm, leave random_flags and oracle_flags unset, flag per "
+                "rollout, and (midpoint) score in adapter space"
+            )
         if self.quarantine == "lora" and self.optimizer == "routed_adamw":
             raise ValueError("routed_adamw pairs δS with δS_q: it needs quarantine 'svd'")
         if self.activation_space == "residual" and (
@@ -299,6 +349,8 @@ class StepMetrics:
     staleness: float = 0.0  # mean policy-version lag of the step's groups (async rollouts)
     dropped_stale: int = 0  # groups dropped as too stale (async rollouts)
     quarantine_dropped: bool = False  # route-dropout: the step ran without the quarantine
+    tau: float | None = None  # the τ a gate flagged by its own scores at (calibrated or not)
+    oracle_flipped: float | None = None  # oracle_flip: the share of the oracle's flags flipped
 
 
 def auroc(scores: list[float], labels: list[bool]) -> float | None:
@@ -384,7 +436,9 @@ class GRPOTrainer:
                 site=cfg.probe_site,
             )
             self.engine.vectors.register(self.probe.name, self.probe.vector, overwrite=True)
+        self.pair_batches: tuple[TokenBatch, TokenBatch] | None = None  # (hacking, clean)
         self.direction = self._hack_direction()
+        self.tau = cfg.tau  # the gate's threshold; re-estimated under `gate_calibration`
         self.eval_set = self.env.sample_eval_prompts(
             cfg.eval_prompts, random.Random(cfg.seed + 10**6)
         )
@@ -436,6 +490,7 @@ class GRPOTrainer:
         hack = pad_batch([(self._ids(p.prompt), self._completion_ids(p.hacking)) for p in pairs])
         clean = pad_batch([(self._ids(p.prompt), self._completion_ids(p.clean)) for p in pairs])
         hack, clean = hack.to(device), clean.to(device)
+        self.pair_batches = (hack, clean)
         if self.cfg.arm == "activation":
             return activation_direction(self.model, self.adapters, hack, clean)
         direction = gradient_direction(self.model, self.adapters, hack, clean)
@@ -498,9 +553,9 @@ class GRPOTrainer:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def step(self) -> tuple[StepMetrics, list[Grade], torch.Tensor]:
+    def step(self) -> tuple[StepMetrics, list[Grade], GateDecision]:
         """One GRPO step; returns its metrics, the rollouts' grades (for eval-only logging
-        outside the training scope) and the routing scores."""
+        outside the training scope) and the routing decision (flags and scores)."""
         t0 = time.perf_counter()
         cfg = self.cfg
         self.sync_weights()
@@ -516,14 +571,20 @@ class GRPOTrainer:
         # The oracle upper bound reads the labels here, outside the training scope, and the
         # update sees them only as flags (config `oracle_flags`; every other run skips this).
         oracle = torch.tensor([g.eval_only.hacked for g in grades]) if cfg.oracle_flags else None
+        flipped = None
+        if oracle is not None and cfg.oracle_flip is not None:  # a noisy oracle
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step_index + 41)
+            noisy = flip_flags(oracle, cfg.oracle_flip, g)
+            flipped, oracle = int((noisy != oracle).sum()) / len(noisy), noisy
         with training_scope("grpo step"):
             rewards = torch.tensor([r.reward for r in training])
-            metrics, scores = self._update(training, rewards, oracle)
+            metrics, decision = self._update(training, rewards, oracle)
         metrics.seconds = time.perf_counter() - t0
+        metrics.oracle_flipped = flipped
         if took is not None:
             metrics.staleness, metrics.dropped_stale = took.staleness, took.dropped
         self.step_index += 1
-        return metrics, grades, scores
+        return metrics, grades, decision
 
     def _batch(self, rolled: list[TrainingRollout]) -> tuple[TokenBatch, torch.Tensor]:
         rows, old = [], []
@@ -554,8 +615,10 @@ class GRPOTrainer:
         rolled: list[TrainingRollout],
         rewards: torch.Tensor,
         oracle: torch.Tensor | None = None,
-    ) -> tuple[StepMetrics, torch.Tensor]:
+    ) -> tuple[StepMetrics, GateDecision]:
         cfg, adapters = self.cfg, self.adapters
+        if cfg.gate_calibration == "midpoint" and self.step_index % cfg.calibrate_every == 0:
+            self.tau = self._pair_midpoint()
         batch, old_logp = self._batch(rolled)
         width = old_logp.shape[1]
         adv = group_advantages(rewards, cfg.group_size, scale=cfg.advantage).to(old_logp)
@@ -589,7 +652,8 @@ class GRPOTrainer:
             quarantine_norm=quarantine_norm,
             sum_norm=sum_norm,
             quarantine_dropped=dropped,
-        ), scores.detach().cpu()
+            tau=self.tau if cfg.arm != "none" and placebo is None else None,
+        ), GateDecision(flagged.detach().cpu(), scores.detach().cpu())
 
     def _routed_backward(
         self,
@@ -620,11 +684,12 @@ class GRPOTrainer:
         def decide() -> tuple[torch.Tensor, torch.Tensor]:
             if placebo is not None:
                 return placebo, scores
-            return self._decide(batch, rolled, loss_of)
+            own = self._gate_scores(batch, rolled, loss_of)
+            return own > self._threshold(own), own
 
         if arm == "activation" and cfg.activation_granularity == "token":
             assert self.direction is not None
-            with adapters.mask_tokens(self.direction.vectors, B, cfg.tau) as token_flags:
+            with adapters.mask_tokens(self.direction.vectors, B, self.tau) as token_flags:
                 out = loss_of()
                 out.loss.backward()
             leakage = gradient_leakage(adapters)
@@ -645,16 +710,13 @@ class GRPOTrainer:
             with adapters.gates(B, kind=cfg.gate) as gates:
                 out = loss_of()
                 out.loss.backward()
+                grads = rollout_gradients(adapters, gates, cfg.gate)
                 if placebo is None:
-                    stats = route_gradients(
-                        adapters, gates, self.direction, cfg.tau, mode, cfg.gate,
-                        split=cfg.route_split,
-                    )  # fmt: skip
-                    scores, flagged, leakage = stats.scores.detach(), stats.flagged, stats.leakage
+                    scores = gradient_scores(grads, self.direction).detach()
+                    flagged = scores > self._threshold(scores)
                 else:
-                    grads = rollout_gradients(adapters, gates, cfg.gate)
                     flagged = placebo
-                    leakage = apply_gradient_mask(adapters, grads, flagged, mode, cfg.route_split)
+                leakage = apply_gradient_mask(adapters, grads, flagged, mode, cfg.route_split)
         elif arm == "activation":
             flagged, scores = decide()
             with adapters.mask_rollouts(flagged, mode="route"):
@@ -668,30 +730,46 @@ class GRPOTrainer:
                 p.grad = None
         return out, flagged, scores, leakage
 
-    def _probe_flags(self, rolled: list[TrainingRollout]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Arm B by the residual hack probe: each rollout's mean read-out while it was
-        sampled, minus the probe's offset, against τ."""
+    def _probe_scores(self, rolled: list[TrainingRollout]) -> torch.Tensor:
+        """`[B]` Arm B by the residual hack probe: each rollout's mean read-out while it was
+        sampled, minus the probe's offset."""
         assert self.probe is not None
-        scores = torch.tensor([self.probe.score(r.readouts or []) for r in rolled])
-        return scores > self.cfg.tau, scores
+        return torch.tensor([self.probe.score(r.readouts or []) for r in rolled])
 
-    def _decide(
+    def _gate_scores(
         self, batch: TokenBatch, rolled: list[TrainingRollout], loss_of: Callable[[], Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The arm's own flags and scores for a batch, before any update: Arm B from one
+    ) -> torch.Tensor:
+        """`[B]` the arm's own gate scores for a batch, before any update: Arm B from one
         no-grad forward, Arm A (and its random-direction placebo) from each rollout's
         gradient, recovered through the gates by one backward whose gradients are dropped."""
         assert self.direction is not None
         if self.cfg.arm == "activation":
             if self.cfg.activation_space == "residual":
-                return self._probe_flags(rolled)
-            return activation_flags(self.model, self.adapters, batch, self.direction, self.cfg.tau)
+                return self._probe_scores(rolled)
+            pooled = capture_pooled(self.model, self.adapters, batch)
+            return activation_scores(pooled, self.direction)
         with self.adapters.gates(batch.batch_size, kind=self.cfg.gate) as gates:
             loss_of().loss.backward()
             grads = rollout_gradients(self.adapters, gates, self.cfg.gate)
         self.optimizer.zero_grad(set_to_none=True)
-        scores = gradient_scores(grads, self.direction)
-        return scores > self.cfg.tau, scores.detach()
+        return gradient_scores(grads, self.direction).detach()
+
+    def _threshold(self, scores: torch.Tensor) -> float:
+        """The τ the gate flags this step's `scores` at: fixed, the last midpoint, or
+        (`gate_calibration: quantile`) re-estimated from these scores every
+        `calibrate_every` steps."""
+        cfg = self.cfg
+        if cfg.gate_calibration == "quantile" and self.step_index % cfg.calibrate_every == 0:
+            assert cfg.gate_quantile is not None  # checked by the config
+            self.tau = quantile_threshold(scores, cfg.gate_quantile)
+        return self.tau
+
+    def _pair_midpoint(self) -> float:
+        """`gate_calibration: midpoint`: the midpoint of the hack pairs' mean gate scores,
+        hacking and clean, under the current policy (no rollout, no label)."""
+        assert self.direction is not None and self.pair_batches is not None
+        hack, clean = self.pair_batches
+        return pair_midpoint(*pair_scores(self.model, self.adapters, self.direction, hack, clean))
 
     def _recentred_backward(
         self,
@@ -857,6 +935,7 @@ class GRPOTrainer:
                 "optimizer": self.optimizer.state_dict(),
                 "rng": self.rng.getstate(),
                 "torch_rng": torch.get_rng_state(),
+                "tau": self.tau,
                 "config": self.cfg.model_dump(),
             },
             tmp,
@@ -877,6 +956,7 @@ class GRPOTrainer:
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
         self.step_index = state["step"]
+        self.tau = state.get("tau", self.cfg.tau)  # written before calibration: the fixed τ
 
 
 def run(
@@ -929,9 +1009,10 @@ def _train(
         if trainer.step_index == 0:
             emit({"step": 0, "kind": "eval", **trainer.evaluate()})
         while trainer.step_index < config.steps:
-            metrics, grades, scores = trainer.step()
+            metrics, grades, decision = trainer.step()
             labels = [g.eval_only for g in grades]  # logged only, never trained on
             hacked = [x.hacked for x in labels]
+            quality = flag_quality(decision.flags.tolist(), hacked) if config.arm != "none" else {}
             emit(
                 {
                     "kind": "train",
@@ -939,7 +1020,8 @@ def _train(
                     "step": trainer.step_index,
                     "rollout_hack_rate": sum(hacked) / len(hacked),
                     "rollout_true_pass": sum(x.true_pass for x in labels) / len(labels),
-                    "gate_auroc": _gate_auroc(grades, scores, config),
+                    "gate_auroc": _gate_auroc(grades, decision.scores, config),
+                    **quality,
                 }
             )
             if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:

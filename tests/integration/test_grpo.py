@@ -135,22 +135,37 @@ def _reaches_labels(*roots) -> bool:
     return False
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        {},
-        {"arm": "kept-ablated"},
-        {"arm": "kept-ablated", "random_flags": 0.3, "route_split": "recentre"},
-        {"arm": "route-dropout", "quarantine_dropout": 0.5},
-        {"arm": "route-dropout", "quarantine_dropout": 0.5, "random_flags": 0.3},
-    ],
-    ids=["vanilla", "kept-ablated", "kept-ablated~placebo", "route-dropout", "dropout~placebo"],
-)
+QUANTILE = {"gate_calibration": "quantile", "gate_quantile": 0.25}
+MIDPOINT = {"gate_calibration": "midpoint"}
+LABEL_FREE = {
+    "vanilla": {},
+    "erase": {"arm": "erase"},
+    "route": {"arm": "route"},
+    "route~placebo": {"arm": "route", "random_flags": 0.3},
+    "placebo": {"arm": "placebo"},
+    "activation": {"arm": "activation"},
+    "token": {"arm": "activation", "activation_granularity": "token"},
+    "kept-ablated": {"arm": "kept-ablated"},
+    "kept-ablated~placebo": {"arm": "kept-ablated", "random_flags": 0.3, "route_split": "recentre"},
+    "route-dropout": {"arm": "route-dropout", "quarantine_dropout": 0.5},
+    "dropout~placebo": {"arm": "route-dropout", "quarantine_dropout": 0.5, "random_flags": 0.3},
+    # calibrated gates: τ from the step's own scores, or from the hack pairs
+    "route-quantile": {"arm": "route", **QUANTILE},
+    "route-midpoint": {"arm": "route", "route_split": "recentre", **MIDPOINT},
+    "activation-quantile": {"arm": "activation", **QUANTILE},
+    "activation-midpoint": {"arm": "activation", **MIDPOINT},
+    "kept-ablated-midpoint": {"arm": "kept-ablated", **MIDPOINT},
+    "dropout-quantile": {"arm": "route-dropout", "quarantine_dropout": 0.5, **QUANTILE},
+}
+
+
+@pytest.mark.parametrize("kw", list(LABEL_FREE.values()), ids=list(LABEL_FREE))
 def test_training_cannot_reach_the_oracle_labels(path, tmp_path, monkeypatch, kw):
     """By construction: the update is given rollouts of a type with no label field, and no
-    label is reachable from anything it is given, in every label-free arm (its own flags or
-    a rate-matched placebo's). The training scope still catches a read through any other
-    path."""
+    label is reachable from anything it is given, in every label-free arm (its own flags,
+    calibrated or not, or a rate-matched placebo's). The training scope still catches a read
+    through any other path; the flag quality logged beside a step reads the labels after
+    it, outside that scope."""
     trainer = GRPOTrainer(_config(path, tmp_path, **kw))
     trainer.sync_weights()
     assert _reaches_labels(trainer.rollouts(["12+34="]))  # the walk does find them
@@ -179,6 +194,10 @@ def test_training_cannot_reach_the_oracle_labels(path, tmp_path, monkeypatch, kw
     monkeypatch.setattr(trainer, "_update", cheating_update)
     with pytest.raises(EvalLabelAccessError, match="hacked"):
         trainer.step()
+    monkeypatch.setattr(trainer, "_update", real_update)
+    trainer.close()
+    records = run(trainer.cfg.model_copy(update={"out_dir": str(tmp_path / "run")}))
+    assert ("flag_recall" in records[1]) == (trainer.cfg.arm != "none")
 
 
 def test_run_logs_evaluates_checkpoints_and_resumes(path, tmp_path):
@@ -331,15 +350,14 @@ def test_one_hack_probe_at_train_and_serve_time(tiny_checkpoint, tmp_path):
     clean = torch.stack([mean_residual(p.prompt, p.clean.strip()) for p in trainer.pairs])
     diff = hack.mean(0) - clean.mean(0)
     torch.testing.assert_close(probe.vector, diff / diff.norm(), rtol=1e-4, atol=1e-4)
-    # Arm B by the probe: the flags are the read-outs' scores against τ.
+    # Arm B by the probe: its scores are the read-outs' mean less the offset.
     trainer.sync_weights()
     rolled = trainer.rollouts(["12+34=", "5+67="])
     assert all(r.readouts and len(r.readouts) == len(r.token_ids) for r in rolled)
     training = [r.for_training() for r in rolled]
-    flags, scores = trainer._probe_flags(training)
+    scores = trainer._probe_scores(training)
     expected = [sum(x["hack"] for x in r.readouts) / len(r.readouts) - probe.offset for r in rolled]
     torch.testing.assert_close(scores, torch.tensor(expected))
-    assert torch.equal(flags, scores > cfg.tau)
     trainer.close()
     evals = [
         r
