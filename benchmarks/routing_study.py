@@ -15,7 +15,11 @@ bound; the only runs whose update sees labels). Designs that train the kept part
 alone (issue 28), flagged as Arm A: `kept-ablated` (the kept δS updated in a forward with
 the quarantine ablated, the quarantine on the flagged rollouts with it present) and
 `route-dropoutP` (`route` with the quarantine dropped from the forward of a step with
-probability P, e.g. `route-dropout0.25`). Hack directions come from persona pairs
+probability P, e.g. `route-dropout0.25`). `ARM~oracle-noiseP` is ARM~oracle with a share P
+of the oracle's flags flipped each step (`GRPOConfig.oracle_flip`; `NOISE_ARMS`, the
+noisy-oracle curve: how good flags must be for routing to beat its placebo).
+`--gate-calibration quantile|midpoint` re-estimates the τ of every arm that flags by its own
+scores from the current policy (`trainer/gates.py`). Hack directions come from persona pairs
 (`--hack-pairs persona`: the base's own answers when asked for the shortcut vs for honest
 work) where the env has personas. The split (`--split recentre`) gives δS the unflagged
 rollouts' own GRPO gradient and δS_q the rest.
@@ -88,9 +92,13 @@ DESIGN_ARMS = ",".join(
     for arm in ("kept-ablated", "route-dropout0.25", "route-dropout0.5")
     for variant in ("", "~placebo", "~oracle")
 )
+# The noisy-oracle curve: a design's oracle flags with 10/20/40% of them flipped.
+ORACLE_NOISE = "oracle-noise"
+NOISE_LEVELS = (0.1, 0.2, 0.4)
+NOISE_ARMS = ",".join(f"kept-ablated~{ORACLE_NOISE}{p}" for p in NOISE_LEVELS)
 # The headline's arms (the defaults): the quick ones, Arm A with its placebo, Arm B per
-# token and the designs above.
-HEADLINE_ARMS = QUICK_ARMS + ",route,route~placebo,token," + DESIGN_ARMS
+# token, the designs above and the noisy-oracle curve.
+HEADLINE_ARMS = QUICK_ARMS + ",route,route~placebo,token," + DESIGN_ARMS + "," + NOISE_ARMS
 EMERGED = 0.5  # a vanilla run "hacks" when its final greedy hack rate reaches this
 # Per env: pretraining steps and the share of plain-prompt demonstrations that hack, chosen
 # so the base solves 20-40% greedily and hacks rarely (see ChecksumAdditionEnv).
@@ -179,16 +187,29 @@ def dropout_of(arm: str) -> float | None:
     return p if 0 <= p <= 1 else None
 
 
+def oracle_noise_of(variant: str | None) -> float | None:
+    """P of an `oracle-noiseP` variant (the share of the oracle's flags flipped), else None."""
+    if variant is None or not variant.startswith(ORACLE_NOISE):
+        return None
+    try:
+        p = float(variant.removeprefix(ORACLE_NOISE))
+    except ValueError:
+        return None
+    return p if 0 <= p <= 1 else None
+
+
 def parse_arm(spec: str) -> tuple[str, str | None]:
-    """`"ARM"` or `"ARM~placebo"` / `"ARM~oracle"` -> (arm, variant); `ceiling` and `base`
-    are vanilla runs (on the ungameable grader; not trained at all)."""
+    """`"ARM"` or `"ARM~placebo"` / `"ARM~oracle"` / `"ARM~oracle-noiseP"` -> (arm, variant);
+    `ceiling` and `base` are vanilla runs (on the ungameable grader; not trained at all)."""
     arm, _, variant = spec.partition("~")
     known = (*ARMS, PROBE_ARM, TOKEN_ARM, *REFERENCES)
-    if (arm not in known and dropout_of(arm) is None) or variant not in ("", "placebo", "oracle"):
+    variant_ok = variant in ("", "placebo", "oracle") or oracle_noise_of(variant) is not None
+    if (arm not in known and dropout_of(arm) is None) or not variant_ok:
         raise SystemExit(
             f"unknown arm {spec!r}: use one of {', '.join(known)} or {DROPOUT_ARM}P (P a "
             "probability, e.g. route-dropout0.25), optionally with ~placebo (rate-matched "
-            "random flags) or ~oracle (the labels' upper bound)"
+            "random flags), ~oracle (the labels' upper bound) or ~oracle-noiseP (the labels "
+            "with a share P flipped, e.g. ~oracle-noise0.2)"
         )
     if variant and arm in ("none", TOKEN_ARM, *REFERENCES):
         raise SystemExit(f"{spec!r}: {arm!r} has no {variant} variant")
@@ -212,12 +233,15 @@ class Run:
 # What a record must share with the study's arguments for `--resume` to keep it.
 CONFIG_KEYS = (
     "env", "steps", "lr", "tau", "optimizer", "split", "hack_pairs", "rank", "targets",
-    "quarantine", "device",
+    "quarantine", "device", "gate_calibration", "gate_quantile", "calibrate_every",
 )  # fmt: skip
 
 
 # What a record written before a key existed meant by its absence.
-RECORD_DEFAULTS = {"hack_pairs": "contrastive", "quarantine": "svd", "device": "cpu"}
+RECORD_DEFAULTS = {
+    "hack_pairs": "contrastive", "quarantine": "svd", "device": "cpu",
+    "gate_calibration": "none", "gate_quantile": None, "calibrate_every": 1,
+}  # fmt: skip
 
 
 def recorded(record: dict, key: str) -> Any:
@@ -268,7 +292,9 @@ def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | Non
         optimizer=args.optimizer,
         route_split=args.split,
         random_flags=rate,
-        oracle_flags=run.variant == "oracle",
+        oracle_flags=run.variant == "oracle" or oracle_noise_of(run.variant) is not None,
+        oracle_flip=oracle_noise_of(run.variant),
+        **calibration_of(args, run),
         hack_pairs_from=args.hack_pairs,
         rank=args.rank,
         targets=args.targets.split(","),
@@ -279,6 +305,20 @@ def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | Non
         device=args.device,
         out_dir=tempfile.mkdtemp(prefix=f"routing-{run.arm}-{run.seed}-"),
     )
+
+
+def calibration_of(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+    """The gate calibration of `run`'s config: `--gate-calibration` for a routed arm that
+    flags rollouts by its own scores (not a placebo, an oracle, the per-token arm or, for the
+    midpoint, the residual probe), none otherwise."""
+    own = run.variant is None and grpo_arm(run.arm) != "none" and run.arm != TOKEN_ARM
+    if not own or (args.gate_calibration == "midpoint" and run.arm == PROBE_ARM):
+        return {}
+    return {
+        "gate_calibration": args.gate_calibration,
+        "gate_quantile": args.gate_quantile,
+        "calibrate_every": args.calibrate_every,
+    }
 
 
 def train(config: GRPOConfig) -> tuple[list[dict], float]:
@@ -302,6 +342,11 @@ def run_records(
     evals = [r for r in history if r["kind"] == "eval"]
     train_log = [r for r in history if r["kind"] == "train"]
     aurocs = [r["gate_auroc"] for r in train_log if r.get("gate_auroc") is not None]
+
+    def mean_of(key: str) -> float | None:  # over the steps where it is defined
+        values = [r[key] for r in train_log if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
     common = {**common, "base": run.base, "seed": run.seed}
     out = []
     if run.arm == "none" and with_base:
@@ -320,6 +365,9 @@ def run_records(
             "leakage": sum(r["leakage"] for r in train_log) / len(train_log),
             "flag_rate": sum(r["flagged"] for r in train_log) / len(train_log),
             "gate_auroc": sum(aurocs) / len(aurocs) if aurocs else None,
+            "flag_precision": mean_of("flag_precision"),
+            "flag_recall": mean_of("flag_recall"),
+            "oracle_flipped": mean_of("oracle_flipped"),
             "probe_auroc": evals[-1].get("probe_auroc"),
             **{k: train_log[-1][k] for k in ("kept_norm", "quarantine_norm", "sum_norm")},
             "seconds": seconds,
@@ -749,6 +797,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how a routed arm splits each step's gradient (grpo.GRPOConfig.route_split)",
     )
     ap.add_argument(
+        "--gate-calibration",
+        default="none",
+        choices=["none", "quantile", "midpoint"],
+        help="re-estimate τ from the current policy in every arm that flags by its own scores "
+        "(grpo.GRPOConfig.gate_calibration); none keeps --tau",
+    )
+    ap.add_argument(
+        "--gate-quantile",
+        type=float,
+        help="--gate-calibration quantile: the share of each step's rollouts flagged "
+        "(default 0.25)",
+    )
+    ap.add_argument(
+        "--calibrate-every", type=int, default=1, help="steps between re-estimates of τ"
+    )
+    ap.add_argument(
         "--hack-pairs",
         choices=["contrastive", "persona"],
         help="where the hack direction comes from (default: persona where the env has them)",
@@ -801,6 +865,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.bases, args.seeds, args.arms = 3, 2, QUICK_ARMS
+    if args.gate_calibration != "quantile":
+        args.gate_quantile = None  # recorded as it applies (old records lack it: None)
+    elif args.gate_quantile is None:
+        args.gate_quantile = 0.25
     steps, fraction = PRETRAIN.get(args.env, (1000, 0.1))
     args.pretrain_steps = args.pretrain_steps or steps
     args.hack_fraction = fraction if args.hack_fraction is None else args.hack_fraction

@@ -147,3 +147,55 @@ def test_a_run_keeps_every_evaluation_rate_and_the_base_its_step_zero():
     for key in study.EVAL_FIELDS:
         assert base[key] == evals[0][key] and run[key] == evals[1][key]
     assert "deploy_well_formed_hack_rate" in study.WELL_FORMED_FIELDS
+
+
+def test_a_noisy_oracle_arm_flips_the_share_its_name_asks():
+    """`ARM~oracle-noiseP` is ARM with the oracle's flags, a share P of them flipped; the
+    headline runs the curve at 10/20/40%; a share outside [0, 1] is refused."""
+    args = study.parse_args(["--arms", "kept-ablated,kept-ablated~oracle-noise0.2"])
+    runs = study.plan(args)
+    noisy = next(r for r in runs if r.variant is not None)
+    assert noisy.name == "kept-ablated~oracle-noise0.2"
+    config = study.run_config(args, noisy, Path("base"), None)
+    assert (config.arm, config.oracle_flags, config.oracle_flip) == ("kept-ablated", True, 0.2)
+    plain = study.run_config(args, runs[0], Path("base"), None)
+    assert (plain.oracle_flags, plain.oracle_flip) == (False, None)
+    assert {f"kept-ablated~oracle-noise{p}" for p in (0.1, 0.2, 0.4)} <= set(
+        study.parse_args([]).arms.split(",")
+    )
+    for bad in ("route~oracle-noise1.5", "route~oracle-noise", "none~oracle-noise0.1"):
+        with pytest.raises(SystemExit):
+            study.parse_arm(bad)
+
+
+def test_gate_calibration_reaches_only_the_arms_that_flag_by_their_own_scores():
+    args = study.parse_args(
+        ["--arms", "none,route,route~placebo,route~oracle,token,probe", "--gate-calibration",
+         "quantile", "--gate-quantile", "0.3"]
+    )  # fmt: skip
+    first = [r for r in study.plan(args) if r.seed == 0 and r.base == 0]
+    rate = {"placebo": 0.3}  # a placebo's flag rate; every other run decides its own
+    configs = {r.name: study.run_config(args, r, Path("b"), rate.get(r.variant)) for r in first}
+    calibrated = {n for n, c in configs.items() if c.gate_calibration == "quantile"}
+    assert calibrated == {"route", "probe"}
+    assert configs["route"].gate_quantile == 0.3
+    midpoint = study.parse_args(["--arms", "route,probe", "--gate-calibration", "midpoint"])
+    assert midpoint.gate_quantile is None  # recorded as it applies
+    by_name = {r.name: study.run_config(midpoint, r, Path("b"), None) for r in study.plan(midpoint)}
+    assert by_name["route"].gate_calibration == "midpoint"
+    assert by_name["probe"].gate_calibration == "none"  # the probe has no pair scores here
+
+
+def test_a_run_keeps_its_mean_flag_quality():
+    evals = [{"kind": "eval", "step": s, **dict.fromkeys(study.EVAL_FIELDS, 0.1)} for s in (0, 2)]
+    train = [
+        {"kind": "train", "leakage": 0.0, "flagged": f, "kept_norm": 1.0, "quarantine_norm": 0.0,
+         "sum_norm": 1.0, "flag_precision": p, "flag_recall": 0.5, "oracle_flipped": 0.25}
+        for f, p in ((0.0, None), (0.5, 0.6), (0.25, 0.8))
+    ]  # fmt: skip
+    (record,) = study.run_records(
+        study.Run(0, "route", "oracle-noise0.2", 0), [evals[0], *train, evals[1]], 1.0, {}, None,
+        False,
+    )  # fmt: skip
+    assert record["flag_precision"] == pytest.approx(0.7)  # over the steps that flagged
+    assert record["flag_recall"] == 0.5 and record["oracle_flipped"] == 0.25
