@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,11 +48,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        Requests are prepared (tokenized, validated, their steering, captures and patches
-        resolved) on a thread of their own while the engine steps, so that admission
-        overlaps the device's work instead of preceding it; the first step waits for a
-        step's worth of prompt tokens. A bad prompt fails the whole call, naming its index:
-        the requests the call queued are aborted and nothing is left queued.
+        A bad prompt fails the whole call (naming its index) and leaves nothing queued.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -70,8 +64,16 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(prompts)} prompts but {len(params)} SamplingParams"
             )
-        rids = [f"llm-{next(self._ids)}" for _ in prompts]
-        admission = _Admission(self.engine, rids, prompts, params)
+        rids: list[str] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"llm-{next(self._ids)}"
+            try:
+                self.engine.add_request(rid, prompt, p)
+            except InvalidRequestError as e:
+                for queued in rids:  # all or nothing: drop what this call already queued
+                    self.engine.abort(queued)
+                raise type(e)(f"prompt {i}: {e}") from None
+            rids.append(rid)
         totals = OutputAccumulator()
         final: dict[str, RequestOutput] = {}
         bar = None
@@ -79,22 +81,13 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(rids), desc="generate", unit="req")
-        try:
-            # A first step's worth of prompt tokens (or every request) before stepping.
-            admission.admit(until_tokens=self.engine.config.max_num_batched_tokens)
-            while len(final) < len(rids):
-                admission.admit(until_tokens=0 if self.engine.has_unfinished_requests() else 1)
-                for out in totals.finished(self.engine.step()):
-                    final[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        except BaseException:
-            admission.abort()
-            raise
-        finally:
-            admission.close()
-            if bar is not None:
-                bar.close()
+        while len(final) < len(rids):
+            for out in totals.finished(self.engine.step()):
+                final[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
         return [final[r] for r in rids]
 
     def chat(
@@ -106,65 +99,3 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, params)
-
-
-class _Admission:
-    """`LLM.generate`'s requests, prepared in order on a thread of their own
-    (`LLMEngine.prepare_request` changes no engine state) and queued on the engine's
-    thread (`add_prepared`) as `admit` takes them."""
-
-    def __init__(
-        self,
-        engine: LLMEngine,
-        rids: list[str],
-        prompts: list[Prompt],
-        params: list[SamplingParams],
-    ):
-        self.engine, self.rids = engine, rids
-        self.ready: queue.SimpleQueue = queue.SimpleQueue()
-        self.num_added = 0
-        self._stop = threading.Event()
-
-        def prepare() -> None:
-            for i, (rid, prompt, p) in enumerate(zip(rids, prompts, params, strict=True)):
-                if self._stop.is_set():
-                    return
-                try:
-                    self.ready.put((i, engine.prepare_request(rid, prompt, p)))
-                except BaseException as exc:  # handed to the engine's thread, raised there
-                    self.ready.put((i, exc))
-                    return
-
-        self._thread = threading.Thread(target=prepare, name="llm-admission", daemon=True)
-        self._thread.start()
-
-    def admit(self, until_tokens: int) -> None:
-        """Queue every prepared request; wait for more while fewer than `until_tokens`
-        prompt tokens were queued by this call (0: never wait)."""
-        tokens = 0
-        while self.num_added < len(self.rids):
-            try:
-                i, item = self.ready.get(block=tokens < until_tokens)
-            except queue.Empty:
-                return
-            if isinstance(item, InvalidRequestError):
-                raise type(item)(f"prompt {i}: {item}") from None
-            if isinstance(item, BaseException):
-                raise item
-            try:
-                self.engine.add_prepared(item)
-            except InvalidRequestError as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-            self.num_added += 1
-            tokens += len(item.prompt_token_ids)
-
-    def abort(self) -> None:
-        """Drop every request this call queued (all or nothing)."""
-        self._stop.set()
-        for rid in self.rids[: self.num_added]:
-            if rid in self.engine.requests:
-                self.engine.abort(rid)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()

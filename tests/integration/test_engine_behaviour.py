@@ -98,19 +98,6 @@ def test_invalid_sampling_values_raise_before_anything_runs(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_bad_prompt_after_steps_began_aborts_the_whole_call(model_dir, alone):
-    """generate prepares requests on a thread while the engine steps: a bad prompt found
-    after the first steps ran still fails the call by its index, leaves nothing queued,
-    and the engine serves the next call as if the failed one never ran."""
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=64)
-    prompts = [" ".join(["token"] * 40)] * 30  # many steps' worth before the bad one
-    with pytest.raises(InvalidRequestError, match="prompt 30: the prompt is empty"):
-        llm.generate([*prompts, ""], GREEDY)
-    assert not llm.engine.has_unfinished_requests()
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == alone
-
-
 def test_duplicate_and_unknown_request_ids(model_dir):
     engine = LLMEngine(model_dir, EngineConfig(device="cpu"))
     engine.add_request("x", "hello", GREEDY)
