@@ -98,6 +98,18 @@ def test_invalid_sampling_values_raise_before_anything_runs(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_bad_prompt_late_in_a_long_call_leaves_nothing_queued(model_dir, alone):
+    """A bad prompt after many good ones fails the call by its index, the call's queued
+    requests are aborted, and the engine serves the next call as if it never ran."""
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    prompts = [" ".join(["token"] * 40)] * 30
+    with pytest.raises(InvalidRequestError, match="prompt 30: the prompt is empty"):
+        llm.generate([*prompts, ""], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
 def test_duplicate_and_unknown_request_ids(model_dir):
     engine = LLMEngine(model_dir, EngineConfig(device="cpu"))
     engine.add_request("x", "hello", GREEDY)
