@@ -7,7 +7,6 @@ check stop conditions → emit outputs for every request that changed.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import pickle
 import time
@@ -34,8 +33,8 @@ from services.engine.interventions.consumers import SyncConsumer
 from services.engine.interventions.manager import InterventionManager
 from services.engine.interventions.planner import Readback
 from services.engine.interventions.vectors import VectorRegistry
-from services.engine.kv.block_manager import BlockManager
-from services.engine.model.config import load_model_config
+from services.engine.kv.block_manager import BlockManager, num_kv_blocks
+from services.engine.model.config import generation_eos_ids, load_model_config
 from services.engine.model.patch_pass import PassJob, PassResult, run_patch_pass
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.model_runner import (
@@ -43,11 +42,12 @@ from services.engine.model_runner import (
     make_attention_backend,
     resolve_device_dtype,
 )
-from services.engine.outputs import CompletionDelta, RequestDelta
+from services.engine.output_processor import OutputProcessor
+from services.engine.outputs import RequestDelta
 from services.engine.parallel import SINGLE_PROCESS, ParallelContext
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import PLACEHOLDER, RequestGroup, SeqStatus, Sequence
+from services.engine.sequence import PLACEHOLDER, RequestGroup, SeqStatus
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class LLMEngine:
             else None,
         )
         self.adapters = self.runner.adapters
-        num_blocks = self._num_kv_blocks()
+        num_blocks = num_kv_blocks(
+            cfg, self.runner.kv_bytes_per_block(), self.device, self.max_model_len
+        )
         if sync is not None:  # stages hold different layer counts: all must agree on blocks
             num_blocks = sync.min_over_ranks(num_blocks)
         if num_blocks * cfg.block_size < self.max_model_len:
@@ -160,7 +162,7 @@ class LLMEngine:
             cfg.enable_chunked_prefill,
             admit_hook=self.interventions.try_admit,
         )
-        eos = set(self.model_config.eos_token_ids) | set(self._generation_eos_ids())
+        eos = set(self.model_config.eos_token_ids) | set(generation_eos_ids(self.model_dir))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
@@ -168,10 +170,12 @@ class LLMEngine:
         # The step launched by the last call, when steps overlap: (schedule, PendingStep).
         self._in_flight: tuple[Any, Any] | None = None
         self.num_steps = 0
-        self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.num_patch_passes = 0
         self.num_patch_pass_tokens = 0  # rows patch passes computed, each member's once
+        self.outputs = OutputProcessor(
+            self.tokenizer, self.scheduler, self.interventions, self.max_model_len
+        )
 
     def _capture_rows(self) -> int:
         """Rows of the fixed capture buffer: `graph_capture_rows` (default max_num_seqs) on
@@ -181,29 +185,6 @@ class LLMEngine:
             return 0
         rows = self.config.graph_capture_rows
         return self.config.max_num_seqs if rows is None else rows
-
-    def _generation_eos_ids(self) -> list[int]:
-        path = self.model_dir / "generation_config.json"
-        if not path.is_file():
-            return []
-        value = json.loads(path.read_text()).get("eos_token_id")
-        if value is None:
-            return []
-        return [value] if isinstance(value, int) else list(value)
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = self.runner.kv_bytes_per_block()
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * cfg.gpu_memory_utilization
-        else:
-            budget = cfg.kv_cache_memory_gb * 2**30
-        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
-        cap = 4 * cfg.max_num_seqs * blocks_per_seq
-        return max(1, min(int(budget // max(per_block, 1)), cap))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -312,7 +293,7 @@ class LLMEngine:
         for seq in group.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        final = self._delta(group)
+        final = self.outputs.delta(group)
         self.interventions.release(group)
         if self.sync is not None:
             self.sync.record("abort", request_id)
@@ -379,6 +360,10 @@ class LLMEngine:
             self.unload_adapter(payload)
         else:
             raise ValueError(f"unknown replica change {kind!r}")
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.outputs.num_generated_tokens
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -498,144 +483,14 @@ class LLMEngine:
                 self.scheduler.finish(seq, "probe", report.aborts[i])
                 continue
             readouts = report.readouts[i] if report is not None else None
-            self._append_token(seq, token, result.logprobs[i], readouts)
+            self.outputs.append_token(seq, token, result.logprobs[i], readouts)
         outputs = []
         for rid, group in touched.items():
-            outputs.append(self._delta(group))
+            outputs.append(self.outputs.delta(group))
             if group.is_finished:
                 self.requests.pop(rid, None)
                 self.interventions.release(group)
         return outputs
-
-    def _append_token(
-        self,
-        seq: Sequence,
-        token: int,
-        logprobs: dict[int, float] | None,
-        readouts: dict[str, float] | None = None,
-    ) -> None:
-        # Runs for every token of every step: locals, not properties, where it is cheap.
-        ids, pending = seq.token_ids, seq.num_pending
-        if pending:  # an overlapped step: the token takes its placeholder's place
-            ids[len(ids) - pending] = token
-            seq.num_pending = pending = pending - 1
-        else:
-            ids.append(token)
-        self.num_generated_tokens += 1
-        if seq.unsent_logprobs is not None:
-            seq.unsent_logprobs.append(logprobs or {})
-        if seq.unsent_readouts is not None:
-            seq.unsent_readouts.append(readouts or {})
-        group = seq.group
-        params = group.params
-        prev_len = len(seq.text)
-        seq.text += self._decode_increment(seq)
-        length = len(ids) - pending  # accepted tokens, prompt included
-        if token in group.eos_token_ids or token in params.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif params.stop and self._check_stop_strings(seq, prev_len):
-            pass
-        elif length >= self.max_model_len or (
-            params.max_tokens is not None and length - seq.num_prompt_tokens >= params.max_tokens
-        ):
-            self.scheduler.finish(seq, "length")
-        if seq.num_pending and seq.is_finished:  # a token computed past the end: drop it
-            del ids[-seq.num_pending :]
-            seq.num_pending = 0
-
-    def _decode_increment(self, seq: Sequence) -> str:
-        """The text the newest token adds, decoding only a short window of recent tokens.
-
-        Both strings are decoded from the same starting token, so tokenizers that drop a
-        leading space at the start of a decode affect them alike. A byte-level token can end
-        mid-character: then nothing is emitted until the character completes.
-        """
-        skip = seq.group.params.skip_special_tokens
-        ids, start = seq.token_ids, seq.prefix_offset
-        end = len(ids) - seq.num_pending  # slices of the window only: ids is the whole text
-        prefix = self.tokenizer.decode(ids[start : seq.read_offset], skip)
-        full = self.tokenizer.decode(ids[start:end], skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        seq.prefix_offset, seq.read_offset = seq.read_offset, end
-        return full[len(prefix) :]
-
-    def _check_stop_strings(self, seq: Sequence, prev_len: int) -> bool:
-        params = seq.group.params
-        longest = max(len(s) for s in params.stop)
-        # Only the newly decoded text (plus an overlap of a stop string's length) can hold a
-        # stop string that was not there before.
-        window_start = max(0, prev_len - longest + 1)
-        for stop in params.stop:
-            at = seq.text.find(stop, window_start)
-            if at != -1:
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                seq.text = seq.text[:end]
-                self.scheduler.finish(seq, "stop", stop)
-                return True
-        return False
-
-    def _delta(self, group: RequestGroup) -> RequestDelta:
-        """What `group` did since its last delta (and marks it sent).
-
-        Text a stop string could still cut is held back until its sample ends (the stop
-        string's length less one), so no delta's text is ever taken back: a stop string
-        found now starts at or after `prev_len - longest + 1` (`_check_stop_strings`), and
-        everything sent so far ends at or before that.
-        """
-        params = group.params
-        hold = max(map(len, params.stop)) - 1 if params.stop else 0
-        samples = []
-        for seq in group.seqs:  # every step, for every running request: kept lean
-            generated = seq.num_generated
-            done = seq.status is SeqStatus.FINISHED
-            if generated == seq.num_sent_tokens and (not done or seq.finish_sent):
-                continue
-            text = seq.text
-            text_end = len(text) if done or not hold else max(seq.num_sent_chars, len(text) - hold)
-            start = seq.num_prompt_tokens + seq.num_sent_tokens
-            logprobs, readouts = seq.unsent_logprobs, seq.unsent_readouts
-            if logprobs is not None:
-                seq.unsent_logprobs = []
-            if readouts is not None:
-                seq.unsent_readouts = []
-            samples.append(
-                CompletionDelta(
-                    index=seq.index,
-                    token_offset=seq.num_sent_tokens,
-                    token_ids=seq.token_ids[start : seq.num_prompt_tokens + generated],
-                    text=text[seq.num_sent_chars : text_end],
-                    logprobs=logprobs,
-                    readouts=readouts,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-            seq.num_sent_tokens, seq.num_sent_chars, seq.finish_sent = generated, text_end, done
-        finished = group.is_finished
-        delta = RequestDelta(
-            request_id=group.request_id,
-            samples=samples,
-            finished=finished,
-            num_cached_tokens=group.num_cached_tokens or 0,
-            conversation_id=params.conversation_id,
-        )
-        if not group.announced:
-            group.announced = True
-            delta.prompt, delta.prompt_token_ids = group.prompt, group.prompt_token_ids
-        if group.prompt_logprobs is not None:
-            delta.prompt_logprobs = group.prompt_logprobs[group.num_sent_prompt_logprobs :]
-            group.num_sent_prompt_logprobs = len(group.prompt_logprobs)
-        if finished:
-            captured = self.interventions.captures(group)
-            if captured:
-                delta.captures, delta.capture_positions = captured
-            elif group.params.capture:
-                delta.captures, delta.capture_positions = {}, []
-            iv = group.interventions
-            if iv is not None:
-                delta.capture_run, delta.capture_error = iv.capture_run, iv.capture_error
-        return delta
 
     # -- patch passes ---------------------------------------------------------------------
 

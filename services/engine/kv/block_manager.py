@@ -9,6 +9,9 @@ freed first, uncached ones before any cached one.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
+
+import torch
 
 from services.common.hashing import BlockHash, block_hash
 from services.engine.sequence import Sequence
@@ -144,3 +147,20 @@ class BlockManager:
         if self.ref_counts[b] == 0:
             del self.free[b]
         self.ref_counts[b] += 1
+
+
+def num_kv_blocks(cfg: Any, bytes_per_block: int, device: torch.device, max_model_len: int) -> int:
+    """How many KV blocks an engine with `EngineConfig` `cfg` allocates: `num_kv_blocks`
+    if set, else what fits in `gpu_memory_utilization` of the free CUDA memory (on CPU,
+    `kv_cache_memory_gb`), capped at four times what `max_num_seqs` full-length sequences
+    need."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cfg.gpu_memory_utilization
+    else:
+        budget = cfg.kv_cache_memory_gb * 2**30
+    blocks_per_seq = -(-max_model_len // cfg.block_size)
+    cap = 4 * cfg.max_num_seqs * blocks_per_seq
+    return max(1, min(int(budget // max(bytes_per_block, 1)), cap))

@@ -168,6 +168,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return parse_model_config(raw)
 
 
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids `<model_dir>/generation_config.json` adds (none without it)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    return _eos_ids(json.loads(path.read_text()).get("eos_token_id"))
+
+
 def llama3_inv_freq(inv_freq: Any, scaling: dict[str, Any]) -> Any:
     """Apply Llama 3.1 frequency scaling to `inv_freq` [head_dim/2], as transformers does."""
     import torch
