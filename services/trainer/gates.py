@@ -13,9 +13,9 @@ current policy, without a label (`GRPOConfig.gate_calibration`):
   the base model, re-read as the policy moves.
 
 The noisy oracle (`flip_flags`) flips a share of the oracle's flags, to ask how good flags
-must be for routing to beat its placebo. `flag_quality` scores a step's flags against the
-oracle's hack labels; it reads labels, so it runs outside the training scope, for the
-records only.
+must be for routing to beat its placebo. `flag_quality` (precision, recall) and `gate_auroc`
+score a step's flags and scores against the oracle's hack labels; they read labels, so they
+run outside the training scope, for the records only.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.adapters import AdapterSet
+from services.trainer.envs import Grade
+from services.trainer.grpo_config import GRPOConfig
+from services.trainer.grpo_loss import group_advantages
 from services.trainer.model import TokenBatch, TrainableModel
 from services.trainer.routing import (
     HackDirection,
@@ -80,7 +83,8 @@ def pair_scores(
     of ∇δS log p(completion) with the direction, i.e. a rollout's score had it been sampled
     with a positive advantage (its descent direction raises its likelihood)."""
     if direction.kind == "activation":
-        return tuple(_activation_pair_scores(model, adapters, direction, b) for b in (hack, clean))
+        score = _activation_pair_scores
+        return score(model, adapters, direction, hack), score(model, adapters, direction, clean)
     out = []
     for batch in (hack, clean):
         grads = per_sequence_gradients(model, adapters, batch)  # module -> [P, r]
@@ -118,3 +122,31 @@ def flag_quality(flags: list[bool], hacked: list[bool]) -> dict[str, float | Non
         "flag_precision": hits / sum(flags) if any(flags) else None,
         "flag_recall": hits / sum(hacked) if any(hacked) else None,
     }
+
+
+def auroc(scores: list[float], labels: list[bool]) -> float | None:
+    """Probability a positive scores above a negative (ties count half); None if one class."""
+    pos = [s for s, y in zip(scores, labels, strict=True) if y]
+    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
+    if not pos or not neg:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def gate_auroc(grades: list[Grade], scores: torch.Tensor, config: GRPOConfig) -> float | None:
+    """The gate's AUROC against the held-back hack labels (a diagnostic, read outside any
+    training scope), over the rollouts it decides on: those with a nonzero advantage. A
+    zero-advantage rollout has no gradient (Arm A scores it 0) and routing it is moot; in
+    the all-hack groups of a hacking policy those would otherwise rank every hack below
+    the failures and read as a worse-than-chance gate."""
+    if config.arm == "none":
+        return None
+    rewards = torch.tensor([g.training_view().reward for g in grades])
+    live = group_advantages(rewards, config.group_size, scale=config.advantage) != 0
+    picked = [
+        (s, g.eval_only.hacked)
+        for s, g, ok in zip(scores.tolist(), grades, live.tolist(), strict=True)
+        if ok
+    ]
+    return auroc([s for s, _ in picked], [h for _, h in picked])

@@ -355,7 +355,7 @@ def test_one_hack_probe_at_train_and_serve_time(tiny_checkpoint, tmp_path):
     rolled = trainer.rollouts(["12+34=", "5+67="])
     assert all(r.readouts and len(r.readouts) == len(r.token_ids) for r in rolled)
     training = [r.for_training() for r in rolled]
-    scores = trainer._probe_scores(training)
+    scores = trainer.router._probe_scores(training)
     expected = [sum(x["hack"] for x in r.readouts) / len(r.readouts) - probe.offset for r in rolled]
     torch.testing.assert_close(scores, torch.tensor(expected))
     trainer.close()
@@ -451,7 +451,7 @@ def test_kept_ablated_update_is_the_gradient_with_the_quarantine_zeroed(
     if split == "recentre":
         kept_adv = subset_advantages(rewards, cfg.group_size, ~flagged).to(old_logp)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer._kept_ablated_backward(batch, old_logp, rewards, adv, flagged, None)
+    trainer.router._kept_ablated_backward(batch, old_logp, rewards, adv, flagged, None)
     adapters, width = trainer.adapters, old_logp.shape[1]
     kept_params, q_params = adapters.kept_parameters(), adapters.quarantine_parameters()
     got_kept = [p.grad.clone() for p in kept_params]

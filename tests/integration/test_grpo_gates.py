@@ -64,7 +64,7 @@ def test_calibrate_every_holds_tau_between_re_estimates(path, tmp_path):
     assert taus[0] == taus[1] != taus[2] == taus[3]
     trainer = GRPOTrainer(cfg.model_copy(update={"steps": 5}))
     trainer.load(tmp_path / "checkpoint.pt")  # a resumed run keeps the last estimate
-    assert trainer.tau == taus[3]
+    assert trainer.router.tau == taus[3]
 
 
 def _cosines(grads: dict[str, torch.Tensor], direction) -> torch.Tensor:
@@ -81,7 +81,7 @@ def test_a_midpoint_gate_is_the_hack_pairs_midpoint_under_the_current_policy(pat
     For Arm B it starts at 0 (its offsets are the base's midpoints) and moves with the
     policy."""
     trainer = GRPOTrainer(_config(path, tmp_path, arm=arm, lr=0.5, gate_calibration="midpoint"))
-    hack, clean = trainer.pair_batches
+    hack, clean = trainer.router.pairs
     model, adapters, direction = trainer.model, trainer.adapters, trainer.direction
     taus, wanted = [], []
     for _ in range(3):
