@@ -29,6 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import services.engine.model_runner as model_runner
+import services.engine.step_batch as step_batch
 from services.engine import EngineConfig, LLMEngine, SamplingParams
 from services.engine.interventions.manager import InterventionManager
 from services.engine.model.tiny import make_tiny_checkpoint
@@ -42,16 +43,16 @@ STAGES = [
     (InterventionManager, "plan_step"),
     (model_runner.ModelRunner, "_build"),
     (model_runner.ModelRunner, "launch"),
-    (model_runner.PendingStep, "result"),
+    (step_batch.PendingStep, "result"),
     (InterventionManager, "observe"),
     (LLMEngine, "_accept"),
 ]
 
 waited = [0.0]
-_result = model_runner.PendingStep.result
+_result = step_batch.PendingStep.result
 
 
-def _timed_result(self: model_runner.PendingStep) -> model_runner.StepResult:
+def _timed_result(self: step_batch.PendingStep) -> step_batch.StepResult:
     if self.copied is not None:
         t = time.perf_counter()
         self.copied.synchronize()
@@ -85,7 +86,7 @@ def stage_times(totals: dict[str, float]) -> Iterator[None]:
 
 
 def main() -> None:
-    model_runner.PendingStep.result = _timed_result  # count the time blocked on the device
+    step_batch.PendingStep.result = _timed_result  # count the time blocked on the device
     path = make_tiny_checkpoint(
         tempfile.mkdtemp() + "/m", "qwen3", layers=28, hidden=1024, heads=16, kv_heads=8,
         head_dim=128, intermediate=3072, vocab=151936, max_position_embeddings=2048,

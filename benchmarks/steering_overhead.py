@@ -41,7 +41,7 @@ from throughput import DTYPES, hf_generate, load_hf, sync
 from services.engine import LLM, SamplingParams
 from services.engine.interventions.actions import SteeringMonitorUpdate
 from services.engine.model.config import load_model_config
-from services.engine.model_runner import PendingStep
+from services.engine.step_batch import PendingStep
 
 # Every layer at every site: the prompt's last token (in the prefill step), or each generated
 # token (every decode step).

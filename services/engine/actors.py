@@ -71,9 +71,9 @@ class EngineRank:
         (`process_backend.BackendServer`, `tcp_hosts`); the driver returns its address."""
         from services.engine.async_llm import AsyncLLM
         from services.engine.config import EngineConfig
+        from services.engine.device import resolve_device_dtype
         from services.engine.distributed import init_replica, run_worker
         from services.engine.llm_engine import LLMEngine
-        from services.engine.model_runner import resolve_device_dtype
         from services.engine.service import EngineService
 
         config = EngineConfig(**engine_config)

@@ -36,8 +36,8 @@ from services.engine.parallel import ParallelContext, symmetric_all_reduce
 if TYPE_CHECKING:
     from services.engine.interventions.planner import StepInterventions
     from services.engine.model.patch_pass import PassJob, PassResult
-    from services.engine.model_runner import StepResult
     from services.engine.scheduler import SchedulerOutput
+    from services.engine.step_batch import StepResult
 
 # Idle worker ranks wait in a broadcast until the driver's next step, which can be hours.
 IDLE_TIMEOUT = timedelta(days=7)

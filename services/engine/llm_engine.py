@@ -27,6 +27,7 @@ from services.common.errors import (
 )
 from services.engine.adapters import AdapterBank
 from services.engine.config import EngineConfig
+from services.engine.device import make_attention_backend, resolve_device_dtype
 from services.engine.distributed import StepSync
 from services.engine.interventions.actions import Action, GlobalSteeringUpdate
 from services.engine.interventions.consumers import SyncConsumer
@@ -37,11 +38,7 @@ from services.engine.kv.block_manager import BlockManager, num_kv_blocks
 from services.engine.model.config import generation_eos_ids, load_model_config
 from services.engine.model.patch_pass import PassJob, PassResult, run_patch_pass
 from services.engine.model.tokenizer import Tokenizer
-from services.engine.model_runner import (
-    ModelRunner,
-    make_attention_backend,
-    resolve_device_dtype,
-)
+from services.engine.model_runner import ModelRunner
 from services.engine.output_processor import OutputProcessor
 from services.engine.outputs import RequestDelta
 from services.engine.parallel import SINGLE_PROCESS, ParallelContext

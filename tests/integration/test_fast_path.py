@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
-from services.engine.model_runner import StepBatch, graph_batch_sizes
 from services.engine.sampling_params import SamplingParams as Params
 from services.engine.scheduler import StepRequest
 from services.engine.sequence import PLACEHOLDER
+from services.engine.step_batch import StepBatch, graph_batch_sizes
 
 PROMPTS = [
     "The harbour master kept a log",
@@ -471,7 +471,7 @@ def test_attention_backend_choice_follows_the_head_dim_and_graphs_need_a_captura
     power of two (on CUDA too), "triton" refuses it with the reason, and only a backend
     whose decode steps are capturable gets CUDA graphs."""
     from services.engine.attention import SdpaBackend, TritonBackend
-    from services.engine.model_runner import make_attention_backend
+    from services.engine.device import make_attention_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects: no CUDA needed
     assert isinstance(make_attention_backend("auto", cuda, 128), TritonBackend)
