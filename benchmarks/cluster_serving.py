@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from decode import SHAPES  # noqa: E402
 
-from services.cluster.local import ray_psutil  # noqa: E402  (Ray's own copy)
+from services.cluster.processes import ray_psutil  # noqa: E402  (Ray's own copy)
 from services.common.net import free_port  # noqa: E402
 from services.engine.config import BATCH_LIMITS  # noqa: E402
 from services.engine.model.tiny import make_tiny_checkpoint  # noqa: E402

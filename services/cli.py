@@ -153,7 +153,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with --cluster, tour the running local cluster (`coxswain up`) over HTTP and gRPC."""
     if args.cluster:
         from services.cluster.demo import run_demo
-        from services.cluster.local import running_cluster
+        from services.cluster.status import running_cluster
 
         info = running_cluster()
         if info is None:
@@ -291,7 +291,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """What `coxswain up` started and whether it answers; exit status 1 when it is not up
     (not running, or degraded: a part of it does not answer)."""
-    from services.cluster.local import status
+    from services.cluster.status import status
 
     report = status()
     if args.json:
@@ -349,7 +349,7 @@ def cmd_train_grpo(args: argparse.Namespace) -> int:
 def _train_grpo_on_ray(config, args: argparse.Namespace) -> list[dict]:
     """Run `config` in a `TrainerActor`, following it by polling until it ends; its records.
     The actor belongs to this process: Ctrl-C (or the end) stops it."""
-    from services.cluster.local import ray_client_env
+    from services.cluster.processes import ray_client_env
 
     os.environ.update(ray_client_env())  # before Ray is imported (a `coxswain up` cluster)
     import ray

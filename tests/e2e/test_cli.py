@@ -23,8 +23,7 @@ import httpx
 import pytest
 import redis
 
-from services.cluster import local
-from services.cluster.local import ray_psutil
+from services.cluster.processes import alive, ray_processes, ray_psutil, terminate
 from services.common.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +52,7 @@ def _processes_in(home: Path) -> list[str]:
     found = []
     for p in psutil.process_iter(["cwd", "cmdline"]):
         cwd = p.info.get("cwd") or ""
-        if cwd.startswith(str(home)) and local._alive(p):
+        if cwd.startswith(str(home)) and alive(p):
             found.append(" ".join(p.info.get("cmdline") or []))
     return found
 
@@ -100,7 +99,7 @@ def other_ray_head():
         assert proc.returncode == 0, out
         yield head
     finally:
-        local._terminate(local._ray_processes(head))
+        terminate(ray_processes(head))
 
 
 def test_make_tiny_then_generate(tmp_path):
@@ -391,7 +390,7 @@ def test_up_status_down(tmp_path, other_ray_head):
         # Ray's Prometheus exporters (no token) answer on loopback only.
         listening = {
             (c.laddr.ip, c.laddr.port)
-            for proc in local._ray_processes(state)
+            for proc in ray_processes(state)
             for c in proc.net_connections()
             if c.status == "LISTEN"
         }
@@ -458,8 +457,8 @@ def test_up_status_down(tmp_path, other_ray_head):
         d = _coxswain("down", env=env)
         assert d.returncode == 0, d.stderr
         assert "ray head" in d.stdout and "redis" in d.stdout
-        assert local._ray_processes(other_ray_head) != []
-        assert local._ray_processes(state) == []
+        assert ray_processes(other_ray_head) != []
+        assert ray_processes(state) == []
         assert _processes_in(home) == []
         deadline = time.monotonic() + 10  # they leave within a second of their replica
         while _frontend_processes() and time.monotonic() < deadline:
@@ -476,4 +475,4 @@ def test_up_status_down(tmp_path, other_ray_head):
         assert not (cluster / "redis.conf").exists() and not (cluster / "state.json").exists()
     finally:
         _coxswain("down", env=env)
-    assert local._ray_processes(other_ray_head) != []
+    assert ray_processes(other_ray_head) != []

@@ -10,13 +10,9 @@ import stat
 
 import pytest
 
-from services.cluster.local import (
-    UpOptions,
-    _api_keys,
-    _private_dir,
-    _redacted,
-    write_private,
-)
+from services.cluster.directory import private_dir, write_private
+from services.cluster.local import UpOptions, _api_keys
+from services.cluster.processes import redacted
 from services.common.errors import CheckpointError, InvalidRequestError
 from services.common.paths import check_model_dir
 
@@ -45,8 +41,8 @@ def test_the_cluster_directory_is_the_users_alone(tmp_path):
     d = tmp_path / "cluster"
     d.mkdir(mode=0o755)
     d.chmod(0o755)
-    assert mode(_private_dir(d)) == 0o700
-    assert mode(_private_dir(tmp_path / "new" / "cluster")) == 0o700
+    assert mode(private_dir(d)) == 0o700
+    assert mode(private_dir(tmp_path / "new" / "cluster")) == 0o700
 
 
 def test_keys_are_kept_until_new_keys(tmp_path):
@@ -93,8 +89,8 @@ def test_the_apps_keys_need_no_file_once_up_has_read_them(tmp_path):
 
 
 def test_the_printed_redis_url_hides_the_password():
-    assert _redacted("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
-    assert _redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redacted("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 def test_a_bad_model_directory_names_the_path_and_what_is_missing(tmp_path, tiny_checkpoint):

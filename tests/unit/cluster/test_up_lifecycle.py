@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from services.cluster import local
+from services.cluster.directory import hold_directory
 from services.common.errors import CoxswainError
 from services.controller.redis_server import RedisServer
 from tests.e2e.test_cli import _home_env, _processes_in
@@ -51,8 +51,8 @@ def immutable():
 def test_a_second_up_from_the_same_directory_fails_naming_the_first(tmp_path):
     home = tmp_path / "home"
     directory = home / "cluster"
-    with local._holding(directory):  # as a first `up` holds it while it starts
-        with pytest.raises(CoxswainError, match=f"pid {os.getpid()}"), local._holding(directory):
+    with hold_directory(directory):  # as a first `up` holds it while it starts
+        with pytest.raises(CoxswainError, match=f"pid {os.getpid()}"), hold_directory(directory):
             pass
         r = _coxswain(home, "up", "--tiny", "--device", "cpu")
         if r.returncode == 0:  # without the lock it starts a second cluster: stop it
@@ -64,7 +64,7 @@ def test_a_second_up_from_the_same_directory_fails_naming_the_first(tmp_path):
         f"from {directory}"
     )
     assert _processes_in(home) == [] and not (directory / "state.json").exists()
-    with local._holding(directory):  # released with its holder
+    with hold_directory(directory):  # released with its holder
         pass
 
 
