@@ -215,11 +215,14 @@ class StepPlanner:
     def _plan_tokens(self, sched: SchedulerOutput, reads: bool, dynamic_gain: float) -> SteerTokens:
         """Each token's steering row, latched bits, decode flag, dynamic gain, read-out row
         and latch carry (`reads`: some request reads out this step)."""
+        # One segment per request's prompt tokens and one per its decode tokens, each
+        # token of a segment alike: built per request, repeated per token by numpy.
         rows: list[int] = []
         latched: list[int] = []
         decode: list[float] = []
         gain: list[float] = []
         carry: list[bool] = []
+        lengths: list[int] = []
         read_rows = np.full(sched.num_tokens, -1, np.int32) if reads else None
         dyn = dynamic_gain if self.tables.dynamic else 0.0
         row0 = 0
@@ -228,21 +231,23 @@ class StepPlanner:
             iv = seq.group.interventions
             n_pre = min(n, seq.num_prompt_tokens - s.start)
             if n_pre > 0:  # prompt tokens (a prefill chunk, or a recompute)
-                rows += [iv.prefill_row if iv else ZERO_ROW] * n_pre
-                latched += [0] * n_pre
-                decode += [0.0] * n_pre
-                gain += [0.0] * n_pre
-                carry += [False] * n_pre
+                rows.append(iv.prefill_row if iv else ZERO_ROW)
+                latched.append(0)
+                decode.append(0.0)
+                gain.append(0.0)
+                carry.append(False)
+                lengths.append(n_pre)
             n_dec = n - max(n_pre, 0)
             if n_dec > 0:
-                rows += [iv.effective_decode_row if iv else ZERO_ROW] * n_dec
-                latched += [seq.latched] * n_dec
-                decode += [1.0] * n_dec
-                gain += [dyn * iv.dyn_gain if iv else dyn] * n_dec
+                rows.append(iv.effective_decode_row if iv else ZERO_ROW)
+                latched.append(seq.latched)
+                decode.append(1.0)
+                gain.append(dyn * iv.dyn_gain if iv else dyn)
                 # The bits the step before fired (still on the device if it is in flight)
                 # latch only under the gates they fired for.
                 content = iv.decode_content if iv is not None else None
-                carry += [content is not None and seq.gate_content is content] * n_dec
+                carry.append(content is not None and seq.gate_content is content)
+                lengths.append(n_dec)
                 gates = content if content is not None and content.gates else None
                 if seq.gate_content is not gates:
                     seq.gate_content = gates
@@ -250,14 +255,19 @@ class StepPlanner:
             if read_rows is not None and iv is not None and iv.probes and s.samples:
                 read_rows[row0 + n - 1] = i
             row0 += n
+        counts = np.asarray(lengths, np.int64)
+
+        def per_token(values: list, dtype: type) -> np.ndarray:
+            return np.repeat(np.asarray(values, dtype), counts)
+
         return SteerTokens(
-            rows=np.asarray(rows, np.int32),
-            latched=np.asarray(latched, np.int32),
-            decode=np.asarray(decode, np.float32),
-            gain=np.asarray(gain, np.float32),
+            rows=per_token(rows, np.int32),
+            latched=per_token(latched, np.int32),
+            decode=per_token(decode, np.float32),
+            gain=per_token(gain, np.float32),
             read_rows=read_rows if read_rows is not None else np.full(row0, -1, np.int32),
             capture_rows=np.full(row0, -1, np.int32),
-            carry=np.asarray(carry, np.bool_),
+            carry=per_token(carry, np.bool_),
         )
 
     @staticmethod
