@@ -259,7 +259,7 @@ def kill(kind: str) -> str:
     """Kill one actor of `kind` (SIGKILL-like); its name, or why nothing was killed."""
     import ray
 
-    from services.cluster import state
+    from services.cluster import stores
     from services.gateway import serve_app
 
     if kind == "engine replica":
@@ -271,7 +271,7 @@ def kill(kind: str) -> str:
     name = {
         "controller": getattr(serve_app, "CONTROLLER_ACTOR", "coxswain-controller"),
         "patch store": getattr(serve_app, "PATCH_STORE_ACTOR", "coxswain-patch-store"),
-        "cluster state": getattr(state, "STATE_ACTOR", "coxswain-cluster-state"),
+        "cluster state": getattr(stores, "STATE_ACTOR", "coxswain-cluster-state"),
     }[kind]
     handle = _actor(name)
     if handle is None:

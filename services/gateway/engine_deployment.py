@@ -20,7 +20,8 @@ from typing import Any
 
 from ray import serve
 
-from services.cluster.state import Reconciler, cluster_store
+from services.cluster.reconciler import Reconciler
+from services.cluster.stores import cluster_store
 from services.common.errors import InvalidRequestError, ServiceUnavailableError
 from services.common.paths import resolve_model
 from services.gateway.app_args import AppArgs

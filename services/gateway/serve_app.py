@@ -31,7 +31,7 @@ from typing import Any
 
 from ray import serve
 
-from services.cluster.state import cluster_store
+from services.cluster.stores import cluster_store
 from services.common.auth import ApiKeys
 from services.common.errors import CoxswainError, ServiceUnavailableError
 from services.gateway.app_args import AppArgs

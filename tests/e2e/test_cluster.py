@@ -402,7 +402,7 @@ DURABLE = {"vectors": [{"layers": [0, 1], "vector": "durable"}]}
 
 
 def test_admin_state_survives_its_redis_losing_everything(client, redis_server, offline):
-    from services.cluster.state import STATE_ACTOR
+    from services.cluster.stores import STATE_ACTOR
 
     # With Redis no actor holds the state (there is none to kill and lose it with).
     assert STATE_ACTOR not in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

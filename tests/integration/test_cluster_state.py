@@ -12,14 +12,9 @@ import time
 import pytest
 import torch
 
-from services.cluster.state import (
-    ActorStore,
-    ClusterStore,
-    Reconciler,
-    RedisStore,
-    json_data,
-    wait_applied,
-)
+from services.cluster.reconciler import Reconciler
+from services.cluster.state import ClusterStore, json_data, wait_applied
+from services.cluster.stores import ActorStore, RedisStore
 from services.common.errors import ServiceUnavailableError
 from services.controller.redis_server import RedisServer
 from services.engine.service import EngineService

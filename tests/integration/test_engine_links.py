@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.cluster.state import ClusterState
+from services.cluster.stores import ClusterState
 from services.engine import SamplingParams
 from services.engine.service import EngineService
 from services.gateway.engine_links import EngineLinks

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from services.cluster.state import ClusterState, _outcome, json_data
+from services.cluster.state import json_data
+from services.cluster.stores import ClusterState, _outcome
 from services.common.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from services.engine.interventions.vectors import VectorRegistry, check_vector_name
 
