@@ -184,14 +184,14 @@ def test_the_cli_runs_from_an_uninstalled_tree(monkeypatch):
     import importlib.metadata
     import tomllib
 
-    from services import cli
+    from services.cli import parser as cli_parser
 
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    pyproject = tomllib.loads((Path(cli.__file__).parents[1] / "pyproject.toml").read_text())
-    parser = cli.build_parser()
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    parser = cli_parser.build_parser()
     version = next(a for a in parser._actions if a.dest == "version").version
     assert version == f"%(prog)s {pyproject['project']['version']}"
 
@@ -199,7 +199,7 @@ def test_the_cli_runs_from_an_uninstalled_tree(monkeypatch):
 def test_version_and_help_of_every_option_with_its_default():
     from importlib.metadata import version
 
-    from services.cli import build_parser
+    from services.cli.parser import build_parser
 
     r = _coxswain("--version")
     assert (r.returncode, r.stdout) == (0, f"coxswain {version('coxswain')}\n")
