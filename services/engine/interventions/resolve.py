@@ -178,10 +178,9 @@ def digest(*parts: Any) -> bytes:
             if d is None:
                 values = part.detach().to(torch.float32).contiguous().numpy().tobytes()
                 d = seen[id(part)] = hashlib.blake2b(values, digest_size=16).digest()
-            h.update(d)
+            h.update(d + b"\x00")
         else:
-            h.update(repr(part).encode())
-        h.update(b"\x00")
+            h.update(repr(part).encode() + b"\x00")
     return h.digest()
 
 
@@ -270,23 +269,30 @@ class Resolver:
         for i, v in enumerate(spec.vectors):
             what = f"steering.vectors[{i}]"
             scaled: dict[int, torch.Tensor] = {}  # a vector shared by layers is scaled once
+            terms: dict[SiteKey, torch.Tensor] = {}
             for layer, vec in self.layer_vectors(v.vector, v.layers, what).items():
-                if id(vec) not in scaled:
-                    scaled[id(vec)] = v.scale * vec
-                term = scaled[id(vec)]
-                for phase, table in (("prefill", prefill), ("decode", decode)):
-                    if v.phase in (phase, "both"):
-                        key = (layer, v.site)
-                        table[key] = table[key] + term if key in table else term
-        finite: dict[int, bool] = {}  # by tensor: a shared one is checked once
+                term = scaled.get(id(vec))
+                if term is None:
+                    term = scaled[id(vec)] = v.scale * vec
+                terms[(layer, v.site)] = term
+            tables = (
+                (prefill, decode)
+                if v.phase == "both"
+                else ((prefill,) if v.phase == "prefill" else (decode,))
+            )
+            for table in tables:
+                for key, term in terms.items():
+                    table[key] = table[key] + term if key in table else term
+        # Each distinct tensor is checked once (one vector for every layer is one tensor).
+        distinct: dict[int, tuple[SiteKey, torch.Tensor]] = {}
         for table in (prefill, decode):
-            for (layer, site), vec in table.items():
-                if id(vec) not in finite:
-                    finite[id(vec)] = bool(torch.isfinite(vec).all())
-                if not finite[id(vec)]:
-                    raise InvalidRequestError(
-                        f"steering: scale × vector overflows at layer {layer} {site}"
-                    )
+            for key, vec in table.items():
+                distinct.setdefault(id(vec), (key, vec))
+        for (layer, site), vec in distinct.values():
+            if not bool(torch.isfinite(vec).all()):
+                raise InvalidRequestError(
+                    f"steering: scale × vector overflows at layer {layer} {site}"
+                )
         gates: dict[SiteKey, GateRow] = {}
         if len(spec.gates) > MAX_GATES:
             raise InvalidRequestError(f"steering.gates: at most {MAX_GATES} gates per request")
