@@ -131,7 +131,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = BackendServer(service)
     try:
         frontend = http_frontend(
-            server.start(), model_dir, keys, host=args.host, port=args.port, workers=args.workers
+            server.start(),
+            model_dir,
+            keys,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout_s,
         )
         with frontend as url:
             print(f"serving {model_dir} at {url} ({args.workers} HTTP worker processes)")

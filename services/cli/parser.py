@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 from pathlib import Path
+from typing import Any
 
 from services.cli.cluster import cmd_down, cmd_status, cmd_up
 from services.cli.engine import (
@@ -19,6 +20,7 @@ from services.cli.engine import (
 )
 from services.cli.patch_store import cmd_patch_store_serve
 from services.cli.train import cmd_train_grpo, cmd_train_pretrain
+from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 # The top-level help, line for line (the formatter keeps a description's line breaks).
 DESCRIPTION = (
@@ -63,6 +65,21 @@ def _version() -> str:
 
         pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
         return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of `kind` greater than zero."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines")
     srv.add_argument("--port", type=int, default=8000, help="HTTP port")
     srv.add_argument("--workers", type=int, default=2, help="HTTP worker processes")
+    srv.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="the largest request body accepted (413 beyond)",
+    )
+    srv.add_argument(
+        "--body-timeout-s",
+        type=_positive(float),
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="how long a request's body may take to arrive after its headers (408 beyond)",
+    )
     srv.add_argument(
         "--api-keys-file",
         default=None,

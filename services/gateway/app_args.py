@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from services.common.auth import ApiKeys
 from services.common.errors import CoxswainError
-from services.gateway.http_auth import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 
 class AppArgs(BaseModel):

@@ -39,13 +39,9 @@ from services.gateway.coxswain_api import (
     VectorRemoved,
 )
 from services.gateway.dashboard import ASSETS, dashboard_router
-from services.gateway.http_auth import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    AuthBeforeBody,
-    require,
-)
+from services.gateway.http_auth import AuthBeforeBody, require
 from services.gateway.http_errors import install_error_handlers
+from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from services.gateway.metrics import EngineCollector, RequestMetrics
 from services.gateway.openai_api import (
     ChatCompletionRequest,

@@ -503,8 +503,10 @@ def http_frontend(
     port: int = 0,
     workers: int = 1,
     timeout_s: float = 60.0,
+    **app_options: Any,
 ) -> Iterator[str]:
-    """Serve the HTTP app (`build_app` with `keys`) under uvicorn in `workers` child
+    """Serve the HTTP app (`build_app` with `keys` and `app_options`, e.g. `max_body_bytes`
+    and `body_timeout_s`) under uvicorn in `workers` child
     processes, over the engine a `BackendServer` at `address` serves; yields the base URL
     until the block exits. The workers accept connections from one listening socket, each
     with its own link to the engine, so HTTP work spreads over them (one event loop renders
@@ -519,7 +521,7 @@ def http_frontend(
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_frontend_main,
-                args=(address, str(model_dir), keys, sock, child),
+                args=(address, str(model_dir), keys, sock, child, app_options),
                 name="coxswain-http",
                 daemon=True,
             )
@@ -542,14 +544,19 @@ def http_frontend(
 
 
 def _frontend_main(
-    address: BackendAddress, model_dir: str, keys: Any, sock: socket.socket, ready: Connection
+    address: BackendAddress,
+    model_dir: str,
+    keys: Any,
+    sock: socket.socket,
+    ready: Connection,
+    app_options: dict[str, Any],
 ) -> None:
     import uvicorn
 
     from services.gateway.http_app import build_app
 
     try:
-        app = build_app(ProcessBackend(address, model_dir), keys)
+        app = build_app(ProcessBackend(address, model_dir), keys, **app_options)
     except Exception as exc:
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         return

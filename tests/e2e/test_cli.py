@@ -140,17 +140,32 @@ def test_serve_answers_over_http_with_its_keys_and_stops_on_sigterm(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--device", "cpu",
-         "--port", str(port), "--workers", "1", "--api-keys-file", str(keys)],
+         "--port", str(port), "--workers", "1", "--api-keys-file", str(keys),
+         "--max-body-bytes", "4096", "--body-timeout-s", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         assert "serving" in proc.stdout.readline()
         url = f"http://127.0.0.1:{port}/v1/completions"
+        auth = {"Authorization": "Bearer " + "k" * 24}
         body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         assert httpx.post(url, json=body).status_code == 401  # every port authenticates
-        r = httpx.post(url, json=body, headers={"Authorization": "Bearer " + "k" * 24}, timeout=60)
+        r = httpx.post(url, json=body, headers=auth, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
+        # --max-body-bytes: a larger body is refused by its declared length
+        big = httpx.post(url, json={**body, "prompt": "x" * 5000}, headers=auth, timeout=60)
+        assert big.status_code == 413, big.text
+        # --body-timeout-s: a body that stalls is answered 408 about a second after its headers
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nAuthorization: Bearer " + b"k" * 24 + b"\r\nContent-Length: 1000\r\n\r\n{"
+            )
+            started = time.monotonic()
+            reply = conn.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+            assert time.monotonic() - started < 8
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

@@ -29,7 +29,7 @@ from services.engine.llm_engine import LLMEngine
 from services.engine.service import EngineService
 from services.engine.sweep import Sweep, SweepSpec
 from services.gateway.http_app import build_app, public_paths
-from services.gateway.http_auth import DEFAULT_MAX_BODY_BYTES
+from services.gateway.limits import DEFAULT_MAX_BODY_BYTES
 from services.patch_store.store import PatchStore
 from tests.serving import serve_asgi
 
