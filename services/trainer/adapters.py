@@ -17,8 +17,10 @@ is cached by a hash of W's bytes.
 
 Per-forward controls live on the `AdapterSet` and act on every adapted Linear at once:
 `gates()` splices the rollout gate of the gate identity into the kept path, `mask_rollouts()`
-is Arm B's activation mask, `capture()` records adapter-space activations `x V`, `deploy()`
-ablates the quarantine and `disabled()` gives the base model (the KL reference) without a copy.
+and `mask_tokens()` detach the kept path on flagged rollouts or tokens (Arm B; with
+`absorb`, route2, whose LoRA quarantine learns from every token), `capture()` records
+adapter-space activations `x V`, `deploy()` ablates the quarantine and `disabled()` gives
+the base model (the KL reference) without a copy.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from services.engine.model.layers import ColumnParallelLinear, RowParallelLinear
 
 QuarantineKind = Literal["svd", "lora"]
 GateKind = Literal["scale", "shift"]
-MaskMode = Literal["route", "erase"]
+MaskMode = Literal["route", "erase", "absorb"]
 MaskStop = Literal["parameter", "activation"]
 
 KEPT = "delta_s"
@@ -138,8 +140,8 @@ class SVDBasisCache:
 
 
 def _check_mask_mode(mode: str) -> None:
-    if mode not in ("route", "erase"):
-        raise InvalidRequestError(f"mask mode must be 'route' or 'erase', got {mode!r}")
+    if mode not in ("route", "erase", "absorb"):
+        raise InvalidRequestError(f"mask mode must be 'route', 'erase' or 'absorb', got {mode!r}")
 
 
 @dataclass
@@ -151,7 +153,7 @@ class _ForwardControls:
     ablate_quarantine: bool = False
     gate_kind: GateKind = "scale"
     gates: dict[str, torch.Tensor] | None = None  # module -> [B, 1, r]
-    rollout_mask: torch.Tensor | None = None  # [B] bool: flagged rollouts (Arm B)
+    rollout_mask: torch.Tensor | None = None  # [B] or [B, T] bool: flagged rollouts or tokens
     mask_mode: MaskMode = "route"
     mask_stop: MaskStop = "parameter"
     captured: dict[str, torch.Tensor] | None = None  # module -> [N, r] x V, detached
@@ -263,7 +265,10 @@ class SVDAdaptedLinear(nn.Module):
     def _quarantine_view(
         t: torch.Tensor, flagged: torch.Tensor, mode: MaskMode, frozen: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Arm B's quarantine side: only flagged rollouts train it (route), or none (erase)."""
+        """The quarantine side of a mask: only flagged rollouts train it (route), none
+        (erase), or every one (absorb: route2's quarantine, always in the forward)."""
+        if mode == "absorb":
+            return t
         frozen = t.detach() if frozen is None else frozen
         return torch.where(flagged, t, frozen) if mode == "route" else frozen
 
@@ -365,7 +370,9 @@ class AdapterSet:
     ) -> Iterator[None]:
         """Arm B: flagged rollouts (`[B]` bool) send no gradient into the kept δS; with `route`
         their gradient trains the quarantine, with `erase` it trains nothing. Unflagged
-        rollouts train only the kept δS. The batch must be `[B, T]`.
+        rollouts train only the kept δS. With `absorb` (route2) the quarantine trains on
+        every rollout, flagged or not. `[B, T]` flags mask tokens instead of rollouts (route2
+        per token with flags given in advance). The batch must be `[B, T]`.
 
         `stop="parameter"` applies `where(mask, δ.detach(), δ)` to the adapter vectors: the
         gradient still flows through every path into earlier layers, so kept and quarantine
@@ -379,8 +386,8 @@ class AdapterSet:
             raise InvalidRequestError(
                 f"mask stop must be 'parameter' or 'activation', got {stop!r}"
             )
-        if flagged.dim() != 1 or flagged.dtype != torch.bool:
-            raise InvalidRequestError("flagged must be a [B] bool tensor")
+        if flagged.dim() not in (1, 2) or flagged.dtype != torch.bool:
+            raise InvalidRequestError("flagged must be a [B] or [B, T] bool tensor")
         with self._set(rollout_mask=flagged, mask_mode=mode, mask_stop=stop):
             yield
 
@@ -395,8 +402,8 @@ class AdapterSet:
         """Arm B per token, the spec's form: at each adapter, a token whose `x V` has cosine
         > `tau` with that module's direction gets `where(flag, kept.detach(), kept)` (its
         gradient reaches the quarantine, `route`, or nothing, `erase`); other tokens train
-        only the kept δS. Yields each module's `[B, T]` flags as the forward fills them in.
-        The batch must be `[batch_size, T]`."""
+        only the kept δS (or, `absorb`, the quarantine as well). Yields each module's `[B, T]`
+        flags as the forward fills them in. The batch must be `[batch_size, T]`."""
         _check_mask_mode(mode)
         missing = set(self.modules) - set(directions)
         if missing:

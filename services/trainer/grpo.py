@@ -11,7 +11,8 @@ One step:
 4. the GRPO loss over the rollouts' completions (group advantages, clipped ratio, k3 KL to
    the base model = adapters disabled), and a backward routed by the configured arm
    (`routed_backward.py`: vanilla, Arm A's gradient gate, Arm B's activation gate, their
-   placebo, and the designs that train the kept part to stand alone), with flags given in
+   placebo, route2's LoRA quarantine, and the designs that train the kept part to stand
+   alone), with flags given in
    advance by `oracle_flags` (the labels' upper bound, noisy with `oracle_flip`) or
    `random_flags` (a rate-matched placebo); `route-dropout` drops the quarantine from a
    step's forward here, with probability `quarantine_dropout`;
@@ -95,6 +96,7 @@ class StepMetrics:
     quarantine_dropped: bool = False  # route-dropout: the step ran without the quarantine
     tau: float | None = None  # the τ a gate flagged by its own scores at (calibrated or not)
     oracle_flipped: float | None = None  # oracle_flip: the share of the oracle's flags flipped
+    token_flag_rate: float | None = None  # route2 per token: the share of real tokens flagged
 
 
 class GRPOTrainer:
@@ -230,7 +232,7 @@ class GRPOTrainer:
         hack = pad_batch([(self._ids(p.prompt), self._completion_ids(p.hacking)) for p in pairs])
         clean = pad_batch([(self._ids(p.prompt), self._completion_ids(p.clean)) for p in pairs])
         hack, clean = hack.to(device), clean.to(device)
-        if self.cfg.arm == "activation":
+        if self.cfg.activation_gate:
             return activation_direction(self.model, self.adapters, hack, clean), (hack, clean)
         direction = gradient_direction(self.model, self.adapters, hack, clean)
         if self.cfg.arm == "placebo":
@@ -359,7 +361,7 @@ class GRPOTrainer:
                 ref, _ = self._completion_logp(batch, width)
         self.optimizer.zero_grad(set_to_none=True)
         # Flags fixed before the backward: rate-matched random ones, or the oracle's labels.
-        placebo = self._random_flags(batch.batch_size) if cfg.random_flags is not None else oracle
+        placebo = self._random_flags(batch) if cfg.random_flags is not None else oracle
         dropped = self._quarantine_dropped()
         with adapters.deploy() if dropped else contextlib.nullcontext():
             out, flagged, scores, leakage = self.router.backward(
@@ -384,13 +386,17 @@ class GRPOTrainer:
             sum_norm=sum_norm,
             quarantine_dropped=dropped,
             tau=self.router.tau if cfg.arm != "none" and placebo is None else None,
+            token_flag_rate=self.router.token_flag_rate,
         ), GateDecision(flagged.detach().cpu(), scores.detach().cpu())
 
-    def _random_flags(self, n: int) -> torch.Tensor:
-        """`[n]` bool: each rollout flagged with probability `random_flags`, seeded by the
-        run's seed and the step (a rate-matched placebo's decision)."""
+    def _random_flags(self, batch: TokenBatch) -> torch.Tensor:
+        """`[B]` bool: each rollout flagged with probability `random_flags`, seeded by the
+        run's seed and the step (a rate-matched placebo's decision); `[B, T]`, each token,
+        for route2 per token (the only per-token arm that takes them)."""
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_index + 17)
-        return torch.rand(n, generator=g) < self.cfg.random_flags
+        token = self.cfg.activation_granularity == "token"
+        shape = batch.input_ids.shape if token else (batch.batch_size,)
+        return torch.rand(shape, generator=g) < self.cfg.random_flags
 
     def _quarantine_dropped(self) -> bool:
         """Arm `route-dropout`: whether this step drops the quarantine from the forward, with

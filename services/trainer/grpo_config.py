@@ -10,9 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from services.common.errors import InvalidRequestError
 
-Arm = Literal["none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout"]
+Arm = Literal[
+    "none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout", "route2"
+]
 # Arms that move δS-basis gradient into δS_q, so need the same-basis quarantine ("svd").
 SAME_BASIS_ARMS = ("route", "placebo", "route-dropout")
+# Arms that flag by the activation gate (Arm B's direction, per rollout or per token).
+ACTIVATION_ARMS = ("activation", "route2")
 
 
 class GRPOConfig(BaseModel):
@@ -131,9 +135,9 @@ class GRPOConfig(BaseModel):
     )
     activation_granularity: Literal["rollout", "token"] = Field(
         "rollout",
-        description="Arm B per rollout (flag whole rollouts) or per token, the spec's form: "
-        "at each adapter, where(cos(x·V, v) > tau, kept.detach(), kept) (route_split does "
-        "not apply)",
+        description="Arm B and route2 per rollout (flag whole rollouts) or per token, the "
+        "spec's form: at each adapter, where(cos(x·V, v) > tau, kept.detach(), kept) "
+        "(route_split does not apply); route2's random_flags then flag tokens",
     )
     # evaluation, logging, checkpoints
     eval_every: int = Field(10, ge=1)
@@ -156,13 +160,25 @@ class GRPOConfig(BaseModel):
     out_dir: str = "runs/grpo"
     device: str = "cpu"
 
+    @property
+    def activation_gate(self) -> bool:
+        """Whether the arm flags by Arm B's activation gate (`activation`, `route2`)."""
+        return self.arm in ACTIVATION_ARMS
+
     @model_validator(mode="after")
     def _consistent(self) -> GRPOConfig:
+        if self.arm == "route2" and (self.quarantine != "lora" or self.route_split != "partition"):
+            raise ValueError(
+                "arm 'route2' keeps its quarantine in a basis of its own, always in the "
+                "forward: set quarantine 'lora' (and leave route_split 'partition'; the kept "
+                f"part is detach-routed in the forward); got quarantine {self.quarantine!r}, "
+                f"route_split {self.route_split!r}"
+            )
         if self.quarantine == "lora" and self.arm in SAME_BASIS_ARMS:
             raise ValueError(
                 f"arm {self.arm!r} moves δS-basis gradient into δS_q and needs quarantine "
-                "'svd'; with a LoRA quarantine use arm 'erase', 'activation', 'kept-ablated' "
-                "or 'none'"
+                "'svd'; with a LoRA quarantine use arm 'route2' (route in the LoRA's own basis), "
+                "'erase', 'activation', 'kept-ablated' or 'none'"
             )
         if (self.arm == "route-dropout") != (self.quarantine_dropout is not None):
             raise ValueError(
@@ -205,21 +221,22 @@ class GRPOConfig(BaseModel):
         if self.quarantine == "lora" and self.optimizer == "routed_adamw":
             raise ValueError("routed_adamw pairs δS with δS_q: it needs quarantine 'svd'")
         if self.activation_space == "residual" and (
-            self.probe_layer is None or self.arm != "activation"
+            self.probe_layer is None or self.arm not in ACTIVATION_ARMS
         ):
             raise ValueError(
-                "activation_space 'residual' flags Arm B ('activation') rollouts by the hack "
-                "probe's read-outs: set probe_layer"
+                "activation_space 'residual' flags Arm B ('activation') or route2 rollouts by "
+                "the hack probe's read-outs: set probe_layer"
             )
         if self.activation_granularity == "token" and (
-            self.arm != "activation"
+            self.arm not in ACTIVATION_ARMS
             or self.activation_space != "adapter"
-            or self.random_flags is not None
+            or (self.random_flags is not None and self.arm != "route2")
             or self.oracle_flags
         ):
             raise ValueError(
-                "activation_granularity 'token' is Arm B ('activation') in adapter space, "
-                "flagging tokens by its own direction (no random_flags or oracle_flags)"
+                "activation_granularity 'token' is Arm B ('activation') or route2 in adapter "
+                "space, flagging tokens by its own direction (route2 also by random_flags, "
+                "per token; oracle_flags label rollouts, so their bound is the per-rollout run)"
             )
         if self.probe_layer is not None and self.rollout_workers:
             raise ValueError("probe_layer reads the probe in the in-process rollout engine")

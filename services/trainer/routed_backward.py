@@ -14,7 +14,11 @@ quarantine by the configured arm (`GRPOConfig.arm`):
   it is trained to stand alone; the quarantine takes the flagged rollouts' gradient in the
   forward with it present;
 - `route-dropout` (design c): `route`; the caller drops the quarantine from some steps'
-  forward.
+  forward;
+- `route2` (design a, the seed's reviewed design): a LoRA quarantine in its own basis,
+  always in the forward and absorbing gradient from every rollout, and the kept part
+  detach-routed, `where(flag, kept.detach(), kept)`, on rollouts or tokens Arm B's gate
+  flags (`_route2_backward`).
 
 Every routed arm takes flags given in advance (`oracle_flags`, `random_flags`) in place of
 its own decision. The gate's threshold τ is fixed, or calibrated on the current policy
@@ -83,6 +87,8 @@ class RoutedBackward:
         self.loss_config = loss_config
         self.direction, self.pairs, self.probe = direction, pairs, probe
         self.tau = cfg.tau
+        # route2 per token: the share of the last step's real tokens flagged (else None)
+        self.token_flag_rate: float | None = None
 
     def backward(
         self,
@@ -128,6 +134,9 @@ class RoutedBackward:
             real = batch.loss_mask.to(share)
             scores = ((share * real).sum(1) / real.sum(1).clamp(min=1)).cpu()
             flagged = scores > 0.5
+        elif arm == "route2":
+            out, flagged, scores = self._route2_backward(batch, placebo, decide, loss_of)
+            leakage = gradient_leakage(adapters)
         elif arm == "kept-ablated":
             flagged, scores = decide()
             out, leakage = self._kept_ablated_backward(batch, old_logp, rewards, adv, flagged, ref)
@@ -160,6 +169,54 @@ class RoutedBackward:
                 p.grad = None
         return out, flagged, scores, leakage
 
+    def _route2_backward(
+        self,
+        batch: TokenBatch,
+        placebo: torch.Tensor | None,
+        decide: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        loss_of: Callable[[], Any],
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Design (a), arm `route2`, as the seed specifies it: one forward with the LoRA
+        quarantine present (it is on every training step) and, at each adapter, the kept
+        part's output detached where flagged, `where(flag, kept.detach(), kept)`. The kept δS
+        learns only from unflagged rollouts (tokens); the quarantine absorbs gradient from
+        every one, flagged or not. Where the seed is silent: the stop is on the kept path's
+        output (the seed's form, so the kept path also carries no gradient back to earlier
+        adapters from a flagged token), and per token the flags are Arm B's per-token
+        cosines, or (`random_flags`) `[B, T]` coin flips given in advance.
+
+        Per rollout the flags are Arm B's decision or the ones given (`[B]`). Per token, a
+        rollout's score is the share of its real tokens (prompt and completion) flagged,
+        over modules, and it counts as flagged above one half (for the flag quality);
+        `token_flag_rate` keeps the step's share of flagged tokens, the rate a per-token
+        placebo matches. Returns the loss's output, the `[B]` flags and the scores."""
+        cfg, adapters = self.cfg, self.adapters
+        B, device = batch.batch_size, batch.input_ids.device
+        real = batch.attention_mask.bool()  # [B, T]
+        if cfg.activation_granularity == "rollout":
+            flagged, scores = decide()
+            with adapters.mask_rollouts(flagged.to(device), mode="absorb", stop="activation"):
+                out = loss_of()
+                out.loss.backward()
+            self.token_flag_rate = None
+            return out, flagged, scores
+        if placebo is not None:
+            with adapters.mask_rollouts(placebo.to(device), mode="absorb", stop="activation"):
+                out = loss_of()
+                out.loss.backward()
+            share = placebo.to(device).float()  # [B, T]
+        else:
+            assert self.direction is not None
+            vectors = self.direction.vectors
+            with adapters.mask_tokens(vectors, B, self.tau, mode="absorb") as token_flags:
+                out = loss_of()
+                out.loss.backward()
+            share = torch.stack(list(token_flags.values())).float().mean(0)  # [B, T]
+        share = torch.where(real, share, 0)
+        scores = (share.sum(1) / real.sum(1).clamp(min=1)).cpu()
+        self.token_flag_rate = float(share.sum() / real.sum().clamp(min=1))
+        return out, scores > 0.5, scores
+
     def _probe_scores(self, rolled: list[TrainingRollout]) -> torch.Tensor:
         """`[B]` Arm B by the residual hack probe: each rollout's mean read-out while it was
         sampled, minus the probe's offset."""
@@ -173,7 +230,7 @@ class RoutedBackward:
         no-grad forward, Arm A (and its random-direction placebo) from each rollout's
         gradient, recovered through the gates by one backward whose gradients are dropped."""
         assert self.direction is not None
-        if self.cfg.arm == "activation":
+        if self.cfg.activation_gate:
             if self.cfg.activation_space == "residual":
                 return self._probe_scores(rolled)
             pooled = capture_pooled(self.model, self.adapters, batch)

@@ -137,6 +137,8 @@ def _reaches_labels(*roots) -> bool:
 
 QUANTILE = {"gate_calibration": "quantile", "gate_quantile": 0.25}
 MIDPOINT = {"gate_calibration": "midpoint"}
+ROUTE2 = {"arm": "route2", "quarantine": "lora"}
+ROUTE2_TOKEN = {**ROUTE2, "activation_granularity": "token"}
 LABEL_FREE = {
     "vanilla": {},
     "erase": {"arm": "erase"},
@@ -149,6 +151,11 @@ LABEL_FREE = {
     "kept-ablated~placebo": {"arm": "kept-ablated", "random_flags": 0.3, "route_split": "recentre"},
     "route-dropout": {"arm": "route-dropout", "quarantine_dropout": 0.5},
     "dropout~placebo": {"arm": "route-dropout", "quarantine_dropout": 0.5, "random_flags": 0.3},
+    # route2: the LoRA quarantine in its own basis, per rollout and per token
+    "route2": ROUTE2,
+    "route2~placebo": {**ROUTE2, "random_flags": 0.3},
+    "route2-token": ROUTE2_TOKEN,
+    "route2-token~placebo": {**ROUTE2_TOKEN, "random_flags": 0.3},
     # calibrated gates: τ from the step's own scores, or from the hack pairs
     "route-quantile": {"arm": "route", **QUANTILE},
     "route-midpoint": {"arm": "route", "route_split": "recentre", **MIDPOINT},
@@ -156,6 +163,7 @@ LABEL_FREE = {
     "activation-midpoint": {"arm": "activation", **MIDPOINT},
     "kept-ablated-midpoint": {"arm": "kept-ablated", **MIDPOINT},
     "dropout-quantile": {"arm": "route-dropout", "quarantine_dropout": 0.5, **QUANTILE},
+    "route2-midpoint": {**ROUTE2, **MIDPOINT},
 }
 
 

@@ -194,12 +194,10 @@ def test_targets_that_cannot_be_applied_are_errors(ckpt):
         AdapterConfig(quarantine="dense")
 
 
-@pytest.mark.parametrize("mode", ["route", "erase"])
-def test_per_token_arm_b_against_a_hand_computed_case(ckpt, mode):
-    """`mask_tokens`, the spec's form `where(cos(a, v) > τ, kept.detach(), kept)`: with
-    g_t = Uᵀ ∂L/∂y_t and z_t = x_t V, δS's gradient is Σ of z_t ⊙ g_t over the tokens
-    not flagged, δS_q's over the flagged ones (route) or nothing (erase); values unchanged."""
-    _, adapters = _adapted(ckpt, rank=4)
+def _one_adapter_case(adapters):
+    """A hand-computed case at one adapter, its values randomised: the module's name and
+    itself, B = 2 rollouts of T = 3 tokens, inputs `x [N, in]`, a loss `(y * w).sum()`'s
+    weights `w [N, out]` and the adapter-space activations `z = x V [N, r]`."""
     _randomise(adapters, seed=3)
     name = "layers.1.mlp.down_proj"
     m = adapters.modules[name]
@@ -207,7 +205,16 @@ def test_per_token_arm_b_against_a_hand_computed_case(ckpt, mode):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(B * T, m.base.weight.shape[1], generator=g)
     w = torch.randn(B * T, m.base.weight.shape[0], generator=g)
-    z = x @ m.v_t.detach().T  # [N, r]
+    return name, m, B, T, x, w, x @ m.v_t.detach().T
+
+
+@pytest.mark.parametrize("mode", ["route", "erase"])
+def test_per_token_arm_b_against_a_hand_computed_case(ckpt, mode):
+    """`mask_tokens`, the spec's form `where(cos(a, v) > τ, kept.detach(), kept)`: with
+    g_t = Uᵀ ∂L/∂y_t and z_t = x_t V, δS's gradient is Σ of z_t ⊙ g_t over the tokens
+    not flagged, δS_q's over the flagged ones (route) or nothing (erase); values unchanged."""
+    _, adapters = _adapted(ckpt, rank=4)
+    name, m, B, T, x, w, z = _one_adapter_case(adapters)
     v = z[1] - z[4]  # token 1 leans along it, token 4 against it
     flags = torch.nn.functional.cosine_similarity(z, v[None], dim=-1) > 0
     assert flags[1] and not flags[4] and 0 < int(flags.sum()) < B * T  # a mixed case
@@ -230,3 +237,69 @@ def test_per_token_arm_b_against_a_hand_computed_case(ckpt, mode):
         adapters.mask_tokens({name: v}, B),
     ):
         pass
+
+
+def test_a_lora_quarantine_lies_outside_the_kept_basis(ckpt):
+    """route2's quarantine is a LoRA in a basis of its own: its update `B_q A_q` is almost
+    all outside what the kept part can express, `U diag(δ) Vᵀ` (its best fit there leaves
+    most of its norm), and its row and column spaces are not inside `V`'s and `U`'s. The
+    same-basis δS_q, by contrast, is wholly inside the kept basis."""
+
+    def outside(delta: torch.Tensor, m) -> float:
+        """The share of ‖ΔW‖ the kept family's best fit leaves: its diagonal in (U, V)."""
+        u, v = m.u.double(), m.v_t.double().T
+        fit = u @ torch.diag(torch.diagonal(u.T @ delta @ v)) @ v.T
+        return float((delta - fit).norm() / delta.norm())
+
+    def off_span(a: torch.Tensor, basis: torch.Tensor) -> float:
+        """The share of ‖a‖ (columns) outside span(basis) (orthonormal columns)."""
+        return float((a - basis @ (basis.T @ a)).norm() / a.norm())
+
+    _, lora = _adapted(ckpt, quarantine="lora", lora_rank=4)
+    _randomise(lora, seed=7)  # B_q starts at zero: give it a value
+    for m in lora.modules.values():
+        a, b = m.lora_a_q.detach().double(), m.lora_b_q.detach().double()
+        assert outside(b @ a, m) > 0.8
+        assert off_span(a.T, m.v_t.double().T) > 0.8  # input side: A_q's rows vs V
+        assert off_span(b, m.u.double()) > 0.8  # output side: B_q's columns vs U
+    _, same = _adapted(ckpt, quarantine="svd")
+    _randomise(same, seed=7)
+    for m in same.modules.values():
+        delta = m.u.double() @ torch.diag(m.delta_s_q.detach().double()) @ m.v_t.double()
+        assert outside(delta, m) < 1e-6
+
+
+@pytest.mark.parametrize("flags_of", ["rollouts", "tokens", "token directions"])
+def test_route2_absorbs_every_token_in_the_lora_and_detaches_the_flagged_kept_part(ckpt, flags_of):
+    """route2 at one adapter, against a hand-computed case: with g_t = ∂L/∂y_t, z_t = x_t V
+    and a_t = x_t A_qᵀ, δS's gradient is Σ z_t ⊙ (g_t U) over the tokens not flagged, while
+    the LoRA, always in the forward, takes Σ g_tᵀ a_t (B_q) and Σ (g_t B_q)ᵀ x_t (A_q) over
+    every token, flagged or not; values unchanged. Flags per rollout (`[B]`), per token
+    given in advance (`[B, T]`), or per token by a direction's cosine."""
+    _, adapters = _adapted(ckpt, rank=4, quarantine="lora", kept_init=0.1)
+    name, m, B, T, x, w, z = _one_adapter_case(adapters)
+    v = z[1] - z[4]
+    if flags_of == "rollouts":
+        given = torch.tensor([True, False])
+        flags = given[:, None].expand(B, T).reshape(-1)
+        mask = adapters.mask_rollouts(given, mode="absorb", stop="activation")
+    elif flags_of == "tokens":
+        flags = torch.tensor([True, False, False, False, True, True])
+        mask = adapters.mask_rollouts(flags.view(B, T), mode="absorb", stop="activation")
+    else:
+        flags = torch.nn.functional.cosine_similarity(z, v[None], dim=-1) > 0
+        directions = {n: torch.ones(a.rank) for n, a in adapters.modules.items()} | {name: v}
+        mask = adapters.mask_tokens(directions, B, tau=0.0, mode="absorb")
+    assert 0 < int(flags.sum()) < B * T  # a mixed case
+    plain = m(x)
+    with mask:
+        y = m(x)
+    torch.testing.assert_close(y, plain, rtol=0, atol=0)
+    (y * w).sum().backward()
+    per_token = z * (w @ m.u.detach())  # [N, r]
+    torch.testing.assert_close(m.delta_s.grad, per_token[~flags].sum(0), rtol=1e-4, atol=1e-4)
+    a_q, b_q = m.lora_a_q.detach(), m.lora_b_q.detach()
+    torch.testing.assert_close(m.lora_b_q.grad, w.T @ (x @ a_q.T), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(m.lora_a_q.grad, (w @ b_q).T @ x, rtol=1e-4, atol=1e-4)
+    flagged_part = w[flags].T @ (x[flags] @ a_q.T)  # the LoRA learns from flagged tokens too
+    assert flagged_part.abs().max() > 1e-3
