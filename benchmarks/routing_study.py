@@ -15,7 +15,12 @@ bound; the only runs whose update sees labels). Designs that train the kept part
 alone (issue 28), flagged as Arm A: `kept-ablated` (the kept δS updated in a forward with
 the quarantine ablated, the quarantine on the flagged rollouts with it present) and
 `route-dropoutP` (`route` with the quarantine dropped from the forward of a step with
-probability P, e.g. `route-dropout0.25`). `ARM~oracle-noiseP` is ARM~oracle with a share P
+probability P, e.g. `route-dropout0.25`). The seed's reviewed design (issue 28, design a):
+`route2` (a LoRA quarantine in its own basis, always in the forward and learning from every
+rollout, the kept part detach-routed on the rollouts Arm B's gate flags; always
+`quarantine: lora`, whatever `--quarantine` says) and `route2-token` (the same per token;
+its `~placebo` flags tokens at its measured token rate, and its oracle bound is
+`route2~oracle`: the labels flag rollouts). `ARM~oracle-noiseP` is ARM~oracle with a share P
 of the oracle's flags flipped each step (`GRPOConfig.oracle_flip`; `NOISE_ARMS`, the
 noisy-oracle curve: how good flags must be for routing to beat its placebo).
 `--gate-calibration quantile|midpoint` re-estimates the τ of every arm that flags by its own
@@ -70,7 +75,7 @@ from services.trainer.grpo import run as grpo_run
 from services.trainer.pretrain import PretrainConfig, pretrain
 from services.trainer.study_stats import compare_arms, mean_interval
 
-ARMS = ("none", "erase", "route", "activation", "placebo", "kept-ablated")
+ARMS = ("none", "erase", "route", "activation", "placebo", "kept-ablated", "route2")
 # `route-dropoutP`: arm route-dropout with quarantine_dropout P (`route-dropout0.25`).
 DROPOUT_ARM = "route-dropout"
 # Reference rows: `base` (the pretrained policy, no RL: the lower bound) and `ceiling`
@@ -81,16 +86,20 @@ REFERENCES = ("base", "ceiling")
 PROBE_ARM = "probe"
 # Arm B per token, the spec's form (adapter space; no rate-matched or oracle variant).
 TOKEN_ARM = "token"
+# route2 per token (its placebo flags tokens; no oracle variant: the labels flag rollouts).
+ROUTE2_TOKEN = "route2-token"
+ROUTE2_ARMS = ("route2", ROUTE2_TOKEN)  # always trained with a LoRA quarantine
 QUICK_ARMS = (
     "base,none,ceiling,activation,activation~placebo,activation~oracle,probe,probe~placebo,"
     "erase~oracle"
 )
-# The designs that train the kept part to stand alone (issue 28, item 2 b and c), each with
-# its rate-matched placebo and its oracle-flag bound.
+# The routing designs (issue 28, item 2 a, b and c), each with its rate-matched placebo
+# and its oracle-flag bound (route2-token's is route2~oracle).
 DESIGN_ARMS = ",".join(
     f"{arm}{variant}"
-    for arm in ("kept-ablated", "route-dropout0.25", "route-dropout0.5")
+    for arm in ("route2", ROUTE2_TOKEN, "kept-ablated", "route-dropout0.25", "route-dropout0.5")
     for variant in ("", "~placebo", "~oracle")
+    if (arm, variant) != (ROUTE2_TOKEN, "~oracle")
 )
 # The noisy-oracle curve: a design's oracle flags with 10/20/40% of them flipped.
 ORACLE_NOISE = "oracle-noise"
@@ -202,7 +211,7 @@ def parse_arm(spec: str) -> tuple[str, str | None]:
     """`"ARM"` or `"ARM~placebo"` / `"ARM~oracle"` / `"ARM~oracle-noiseP"` -> (arm, variant);
     `ceiling` and `base` are vanilla runs (on the ungameable grader; not trained at all)."""
     arm, _, variant = spec.partition("~")
-    known = (*ARMS, PROBE_ARM, TOKEN_ARM, *REFERENCES)
+    known = (*ARMS, PROBE_ARM, TOKEN_ARM, ROUTE2_TOKEN, *REFERENCES)
     variant_ok = variant in ("", "placebo", "oracle") or oracle_noise_of(variant) is not None
     if (arm not in known and dropout_of(arm) is None) or not variant_ok:
         raise SystemExit(
@@ -213,6 +222,10 @@ def parse_arm(spec: str) -> tuple[str, str | None]:
         )
     if variant and arm in ("none", TOKEN_ARM, *REFERENCES):
         raise SystemExit(f"{spec!r}: {arm!r} has no {variant} variant")
+    if arm == ROUTE2_TOKEN and variant not in ("", "placebo"):
+        raise SystemExit(
+            f"{spec!r}: the labels flag rollouts, not tokens; route2-token's bound is route2~oracle"
+        )
     return arm, variant or None
 
 
@@ -271,12 +284,24 @@ def grpo_arm(arm: str) -> str:
     """The `GRPOConfig.arm` a study arm trains (`ceiling` is vanilla GRPO on the exact grader)."""
     if dropout_of(arm) is not None:
         return DROPOUT_ARM
-    return {"ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation"}.get(arm, arm)
+    return {
+        "ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation", ROUTE2_TOKEN: "route2"
+    }.get(arm, arm)  # fmt: skip
+
+
+def as_run(name: str, settings: dict) -> dict:
+    """The study's `settings` as run `name` (`ARM` or `ARM~variant`) trains them: route2's
+    arms always with a LoRA quarantine and the partition split (its kept part is routed in
+    the forward), whatever the study's `quarantine` and `split`; a record keeps these."""
+    if name.partition("~")[0] not in ROUTE2_ARMS:
+        return settings
+    return {**settings, "quarantine": "lora", "split": "partition"}
 
 
 def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | None) -> GRPOConfig:
     """The GRPO configuration of `run` on the checkpoint `base`; `rate` is the flag rate of a
     placebo's random flags."""
+    used = as_run(run.name, {"quarantine": args.quarantine, "split": args.split})
     return GRPOConfig(
         model=str(base),
         env=args.env,
@@ -285,12 +310,12 @@ def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | Non
         quarantine_dropout=dropout_of(run.arm),
         probe_layer=args.probe_layer,
         activation_space="residual" if run.arm == PROBE_ARM else "adapter",
-        activation_granularity="token" if run.arm == TOKEN_ARM else "rollout",
+        activation_granularity="token" if run.arm in (TOKEN_ARM, ROUTE2_TOKEN) else "rollout",
         steps=args.steps,
         lr=args.lr,
         tau=args.tau,
         optimizer=args.optimizer,
-        route_split=args.split,
+        route_split=used["split"],
         random_flags=rate,
         oracle_flags=run.variant == "oracle" or oracle_noise_of(run.variant) is not None,
         oracle_flip=oracle_noise_of(run.variant),
@@ -298,7 +323,7 @@ def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | Non
         hack_pairs_from=args.hack_pairs,
         rank=args.rank,
         targets=args.targets.split(","),
-        quarantine=args.quarantine,
+        quarantine=used["quarantine"],
         seed=run.seed,
         eval_every=args.steps,
         eval_prompts=args.eval_prompts,
@@ -309,9 +334,13 @@ def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | Non
 
 def calibration_of(args: argparse.Namespace, run: Run) -> dict[str, Any]:
     """The gate calibration of `run`'s config: `--gate-calibration` for a routed arm that
-    flags rollouts by its own scores (not a placebo, an oracle, the per-token arm or, for the
+    flags rollouts by its own scores (not a placebo, an oracle, a per-token arm or, for the
     midpoint, the residual probe), none otherwise."""
-    own = run.variant is None and grpo_arm(run.arm) != "none" and run.arm != TOKEN_ARM
+    own = (
+        run.variant is None
+        and grpo_arm(run.arm) != "none"
+        and run.arm not in (TOKEN_ARM, ROUTE2_TOKEN)
+    )
     if not own or (args.gate_calibration == "midpoint" and run.arm == PROBE_ARM):
         return {}
     return {
@@ -347,7 +376,7 @@ def run_records(
         values = [r[key] for r in train_log if r.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    common = {**common, "base": run.base, "seed": run.seed}
+    common = {**as_run(run.name, common), "base": run.base, "seed": run.seed}
     out = []
     if run.arm == "none" and with_base:
         zero = {**common, "arm": "base", "steps": 0, "random_flags": None}
@@ -364,6 +393,7 @@ def run_records(
             **{k: evals[-1].get(k) for k in EVAL_FIELDS},
             "leakage": sum(r["leakage"] for r in train_log) / len(train_log),
             "flag_rate": sum(r["flagged"] for r in train_log) / len(train_log),
+            "token_flag_rate": mean_of("token_flag_rate"),
             "gate_auroc": sum(aurocs) / len(aurocs) if aurocs else None,
             "flag_precision": mean_of("flag_precision"),
             "flag_recall": mean_of("flag_recall"),
@@ -391,9 +421,8 @@ def earlier_records(path: Path, common: dict) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for r in records:
-        differ = {
-            k: (recorded(r, k), common[k]) for k in CONFIG_KEYS if recorded(r, k) != common[k]
-        }
+        mine = as_run(r["arm"], common)
+        differ = {k: (recorded(r, k), mine[k]) for k in CONFIG_KEYS if recorded(r, k) != mine[k]}
         if differ and r["arm"] != "base":  # a `base` record's steps are 0
             raise SystemExit(
                 f"--resume: {path} has a run of another configuration (recorded, now): {differ}"
@@ -404,11 +433,11 @@ def earlier_records(path: Path, common: dict) -> list[dict]:
 def run_study(args: argparse.Namespace) -> list[dict]:
     """Every (base, arm, seed) run; one JSONL record each, appended as it finishes.
 
-    `ARM~placebo` runs ARM with each rollout flagged at random at ARM's mean measured flag
-    rate on that base, so it starts once all of ARM's runs on that base have ended;
-    `ARM~oracle` flags by the labels. `base` records are the vanilla runs' step-0
-    evaluations (the same eval prompts, no training). `--jobs N` trains N runs at once, each
-    in its own process (on `--device cuda` they share the GPU); `--resume` keeps the runs
+    `ARM~placebo` runs ARM with each rollout (route2-token: each token) flagged at random at
+    ARM's mean measured flag rate on that base, so it starts once all of ARM's runs on that
+    base have ended; `ARM~oracle` flags by the labels. `base` records are the vanilla runs'
+    step-0 evaluations (the same eval prompts, no training). `--jobs N` trains N runs at
+    once, each in its own process (on `--device cuda` they share the GPU); `--resume` keeps the runs
     already in `--jsonl` and trains the rest. At the end the file is rewritten in plan order
     (base, arm, seed), whatever order the runs finished in."""
     jsonl = Path(args.jsonl)
@@ -469,9 +498,8 @@ def run_study(args: argparse.Namespace) -> list[dict]:
             def placebo_rate(one: Run) -> float | None:
                 if one.variant != "placebo":
                     return None
-                mine = [
-                    r["flag_rate"] for r in records if r["base"] == one.base and r["arm"] == one.arm
-                ]
+                key = "token_flag_rate" if one.arm == ROUTE2_TOKEN else "flag_rate"
+                mine = [r[key] for r in records if r["base"] == one.base and r["arm"] == one.arm]
                 return sum(mine) / len(mine)
 
             if pool is None:
@@ -828,7 +856,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="svd",
         choices=["svd", "lora"],
         help="svd: δS_q in the kept part's basis; lora: a LoRA of its own basis (Arm A's "
-        "route, placebo and route-dropoutP need svd)",
+        "route, placebo and route-dropoutP need svd; route2's arms always use lora)",
     )
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument(

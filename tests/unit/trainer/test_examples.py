@@ -14,8 +14,10 @@ def test_every_example_validates_and_each_arm_has_one():
         path.stem: GRPOConfig.model_validate(yaml.safe_load(path.read_text()))
         for path in sorted(EXAMPLES.glob("*.yaml"))
     }
-    for arm in ("none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout"):
+    arms = ("none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout")
+    for arm in (*arms, "route2"):
         assert configs[arm].arm == arm
+    assert configs["route2"].quarantine == "lora"
     assert configs["route-dropout"].quarantine_dropout == 0.25
     assert configs["lora-activation"].quarantine == "lora"
     assert configs["async-route"].rollout_mode == "async"

@@ -1,10 +1,11 @@
-"""`GRPOConfig` validation of the routing designs' arms (issue 28: kept-ablated, route-dropout),
-and the routing study's names for them mapping onto valid configs (no training here: the
-arms' updates are `tests/integration/test_grpo.py`'s)."""
+"""`GRPOConfig` validation of the routing designs' arms (issue 28: route2, kept-ablated,
+route-dropout), and the routing study's names for them mapping onto valid configs (no
+training here: the arms' updates are `tests/integration/test_grpo*.py`'s)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -74,8 +75,70 @@ def test_study_arms_of_the_designs_map_onto_their_configs(tmp_path):
             assert cfg.arm == "route-dropout"
             assert cfg.quarantine_dropout == float(run.arm.removeprefix("route-dropout"))
         else:
-            assert cfg.arm == run.arm and cfg.quarantine_dropout is None
+            assert cfg.arm == run.arm.removesuffix("-token") and cfg.quarantine_dropout is None
     for bad in ("route-dropout", "route-dropout1.5", "route-dropoutx", "kept-ablated~twice"):
         with pytest.raises(SystemExit, match="unknown arm"):
             study.parse_arm(bad)
     assert study.parse_arm("route-dropout0.25~placebo") == ("route-dropout0.25", "placebo")
+
+
+def test_route2_needs_a_lora_quarantine_and_takes_its_variants_per_rollout_and_per_token():
+    """route2 (design a) routes into a quarantine of its own basis: the same-basis δS_q, or
+    a step split that route2 does not use, is refused with the setting to change. Per
+    rollout it takes random and oracle flags; per token random flags (per token) but not
+    the oracle's, which label rollouts (their bound is the per-rollout run)."""
+    for bad in ({}, {"quarantine": "svd"}, {"quarantine": "lora", "route_split": "recentre"}):
+        with pytest.raises(pydantic.ValidationError, match=r"route2.*quarantine 'lora'"):
+            _config(arm="route2", **bad)
+    with pytest.raises(InvalidRequestError, match=r"(?s)in cfg\.yaml.*set quarantine 'lora'"):
+        validate_config({"model": "unused", "arm": "route2"}, "in cfg.yaml")
+    lora = {"arm": "route2", "quarantine": "lora"}
+    for variant in ({}, {"random_flags": 0.3}, {"oracle_flags": True}):
+        assert _config(**lora, **variant).arm == "route2"
+    token = {**lora, "activation_granularity": "token"}
+    assert _config(**token, random_flags=0.3).random_flags == 0.3
+    with pytest.raises(pydantic.ValidationError, match="activation_granularity"):
+        _config(**token, oracle_flags=True)
+    with pytest.raises(pydantic.ValidationError, match="activation_granularity"):
+        _config(arm="activation", activation_granularity="token", random_flags=0.3)
+    with pytest.raises(pydantic.ValidationError, match="use arm 'route2'"):
+        _config(arm="route", quarantine="lora")
+
+
+def test_study_arms_of_route2_train_a_lora_quarantine_and_record_it(tmp_path):
+    """The study's route2 arms train with a LoRA quarantine and the partition split whatever
+    `--quarantine` and `--split` say, and their records say so (and `--resume` keeps
+    them); route2-token flags tokens, its placebo at its measured token rate, and has no
+    oracle of its own (the labels flag rollouts: its bound is route2~oracle)."""
+    argv = ["--arms", "none," + study.DESIGN_ARMS, "--seeds", "1", "--split", "recentre"]
+    args = study.parse_args(argv)
+    runs = {r.name: r for r in study.plan(args)}
+    assert {"route2", "route2~placebo", "route2~oracle", "route2-token"} <= set(runs)
+    assert "route2-token~placebo" in runs and "route2-token~oracle" not in runs
+    for name, token in (("route2", False), ("route2~oracle", False), ("route2-token", True)):
+        cfg = study.run_config(args, runs[name], tmp_path, None)
+        assert (cfg.arm, cfg.quarantine, cfg.route_split) == ("route2", "lora", "partition")
+        assert (cfg.activation_granularity == "token") == token
+        assert cfg.oracle_flags == name.endswith("oracle")
+    placebo = study.run_config(args, runs["route2-token~placebo"], tmp_path, 0.2)
+    assert placebo.random_flags == 0.2 and placebo.activation_granularity == "token"
+    assert study.run_config(args, runs["kept-ablated"], tmp_path, None).quarantine == "svd"
+    with pytest.raises(SystemExit, match="route2~oracle"):
+        study.parse_arm("route2-token~oracle")
+    common = {
+        "revision": "r",
+        "env": args.env,
+        **{k: getattr(args, k) for k in study.CONFIG_KEYS[1:]},
+    }
+    history = [
+        {"kind": "eval", "deploy_hack_rate": 0.0},
+        {"kind": "train", "leakage": 0.1, "flagged": 0.5, "token_flag_rate": 0.25,
+         "kept_norm": 1.0, "quarantine_norm": 0.0, "sum_norm": 1.0},
+    ]  # fmt: skip
+    (record,) = study.run_records(runs["route2-token"], history, 1.0, common, None, False)
+    assert (record["quarantine"], record["split"], record["token_flag_rate"]) == (
+        "lora", "partition", 0.25
+    )  # fmt: skip
+    path = tmp_path / "study.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    assert study.earlier_records(path, common) == [record]
