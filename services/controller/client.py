@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import services.controller.convert as convert
 from services.common.grpc_client import GrpcClient
-from services.controller import convert
 from services.controller.policies import parse_policy
 from services.proto.coxswain.v1 import controller_pb2 as pb
 from services.proto.coxswain.v1 import controller_pb2_grpc as pb_grpc

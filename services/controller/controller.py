@@ -37,8 +37,8 @@ from typing import Any
 
 import redis
 
+import services.controller.saved_state as saved_state
 from services.common.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
-from services.controller import saved_state
 from services.controller.connection import REDIS_DOWN, REDIS_ERRORS, Backoff, connect
 from services.controller.messages import (
     READOUT_STREAM,

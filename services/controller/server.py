@@ -19,9 +19,9 @@ import signal
 import threading
 from pathlib import Path
 
+import services.controller.convert as convert
 from services.common.auth import ApiKeys
 from services.common.grpc_serving import GrpcServer, authenticated_rpc, start_grpc_server
-from services.controller import convert
 from services.controller.controller import Controller
 from services.proto.coxswain.v1 import controller_pb2 as pb
 from services.proto.coxswain.v1 import controller_pb2_grpc as pb_grpc
