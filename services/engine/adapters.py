@@ -315,7 +315,9 @@ class AdapterBank:
             self.modules[name] = wrapped
             layer = LAYER.match(name)
             for i in range(num_layers) if layer and num_layers else ():
-                self.shapes[f"{layer[1]}{i}{layer[3]}"] = wrapped.full_shape
+                same = f"{layer[1]}{i}{layer[3]}"  # this module in another stage's layer
+                if any(fnmatch.fnmatchcase(same, p) for p in self.targets):
+                    self.shapes[same] = wrapped.full_shape
             self.shapes[name] = wrapped.full_shape
 
     def load(self, name: str, state: dict[str, dict[str, torch.Tensor]]) -> LoadedAdapter:

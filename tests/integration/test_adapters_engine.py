@@ -266,3 +266,17 @@ def test_a_deploy_request_never_reuses_blocks_the_trained_variant_computed(path)
     assert _generated_logprobs(deploy) == pytest.approx(_generated_logprobs(want), abs=1e-5)
     again = _run(engine, [_params(adapter="policy", adapter_variant="deploy")])[0]
     assert again.num_cached_tokens == 16  # the same variant still hits its own blocks
+
+
+def test_targets_naming_one_layer_adapt_that_layer_alone(path):
+    """A target pattern that names one layer's module (not `*.o_proj`) adapts that module
+    only: a state for it alone loads, and the adapter changes that layer's output and
+    matches the merged oracle."""
+    target = "layers.0.self_attn.o_proj"
+    engine = LLMEngine(path, EngineConfig(**CONFIG, adapter_targets=(target,)))
+    assert sorted(engine.adapters.shapes) == [target]
+    state = _state(engine, 5)
+    assert sorted(state) == [target]
+    engine.load_adapter("one", state)
+    out = _run(engine, [_params(adapter="one")])[0]
+    assert _generated_logprobs(out) == pytest.approx(_want(path, state, "trained", out), abs=1e-4)
