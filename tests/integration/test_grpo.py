@@ -15,18 +15,15 @@ import torch
 
 from services.common.errors import InvalidRequestError
 from services.engine import SamplingParams
-from services.trainer.envs import ENVS, EvalLabelAccessError, EvalLabels, Grade
+from services.trainer.envs import EvalLabelAccessError, EvalLabels, Grade
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, auroc, read_log, run
 from services.trainer.grpo_loss import group_advantages, subset_advantages
 from services.trainer.pretrain import CHAR_VOCAB
 from services.trainer.probe import HackProbe
 from services.trainer.rollouts import TrainingRollout
-from tests.parity_env import ParityEnv
+from tests.parity_env import parity_config, parity_env  # noqa: F401 (a fixture)
 
-
-@pytest.fixture(autouse=True)
-def parity_env(monkeypatch):
-    monkeypatch.setitem(ENVS, ParityEnv.name, ParityEnv)
+pytestmark = pytest.mark.usefixtures("parity_env")
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +32,7 @@ def path(tiny_checkpoint):
 
 
 def _config(path, tmp_path, **kw) -> GRPOConfig:
-    base = dict(
-        model=str(path),
-        env="parity-test",
-        steps=1,
-        prompts_per_step=2,
-        group_size=6,
-        eval_prompts=4,
-        hack_pairs=4,
-        lr=0.1,
-        out_dir=str(tmp_path),
-    )
-    return GRPOConfig(**{**base, **kw})
+    return parity_config(path, tmp_path, **kw)
 
 
 def _deltas(trainer: GRPOTrainer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,15 +9,11 @@ import pydantic
 import pytest
 import torch
 
-from services.trainer.envs import ENVS
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, run
 from services.trainer.routing import capture_pooled, per_sequence_gradients
-from tests.parity_env import ParityEnv
+from tests.parity_env import parity_config, parity_env  # noqa: F401 (a fixture)
 
-
-@pytest.fixture(autouse=True)
-def parity_env(monkeypatch):
-    monkeypatch.setitem(ENVS, ParityEnv.name, ParityEnv)
+pytestmark = pytest.mark.usefixtures("parity_env")
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +22,7 @@ def path(tiny_checkpoint):
 
 
 def _config(path, tmp_path, **kw) -> GRPOConfig:
-    base = dict(
-        model=str(path), env="parity-test", steps=1, prompts_per_step=2, group_size=6,
-        eval_prompts=4, hack_pairs=4, lr=0.1, eval_every=100, out_dir=str(tmp_path),
-    )  # fmt: skip
-    return GRPOConfig(**{**base, **kw})
+    return parity_config(path, tmp_path, **{"eval_every": 100, **kw})
 
 
 def _train(cfg: GRPOConfig) -> list[dict]:

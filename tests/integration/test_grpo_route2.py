@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.envs import ENVS
 from services.trainer.grpo import GRPOConfig, GRPOTrainer, run
 from services.trainer.grpo_loss import group_advantages
 from services.trainer.routed_backward import RoutedBackward
 from tests.integration.test_grpo import _hand_loss, _step_batch
-from tests.parity_env import ParityEnv
+from tests.parity_env import parity_config, parity_env  # noqa: F401 (a fixture)
 
 # The adapters of the hand-computed test; the last has no adapter downstream of it. (The
 # rollout engine wants a target in every layer: `AdapterBank.attach` names every layer's.)
@@ -22,9 +21,7 @@ TARGETS = ["*.down_proj"]
 LAST = "layers.1.mlp.down_proj"
 
 
-@pytest.fixture(autouse=True)
-def parity_env(monkeypatch):
-    monkeypatch.setitem(ENVS, ParityEnv.name, ParityEnv)
+pytestmark = pytest.mark.usefixtures("parity_env")
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +30,8 @@ def path(tiny_checkpoint):
 
 
 def _config(path, tmp_path, **kw) -> GRPOConfig:
-    base = dict(
-        model=str(path), env="parity-test", steps=1, prompts_per_step=2, group_size=6,
-        eval_prompts=4, hack_pairs=4, lr=0.1, eval_every=100, out_dir=str(tmp_path),
-        arm="route2", quarantine="lora",
-    )  # fmt: skip
-    return GRPOConfig(**{**base, **kw})
+    base = {"eval_every": 100, "arm": "route2", "quarantine": "lora"}
+    return parity_config(path, tmp_path, **{**base, **kw})
 
 
 def _grads(params) -> list[torch.Tensor]:
