@@ -273,6 +273,24 @@ class SVDAdaptedLinear(nn.Module):
         return torch.where(flagged, t, frozen) if mode == "route" else frozen
 
 
+@dataclass(frozen=True)
+class AdapterNorms:
+    """Frobenius norms of the weight updates over every adapted Linear (squares summed over
+    modules): the kept part, the quarantine, and their sum as the trained forward adds it.
+    A routed run whose parts grow apart while their sum does not is drifting."""
+
+    kept: float  # ‖δS‖: ‖U diag(δS) Vᵀ‖, U and V orthonormal
+    quarantine: float  # ‖δS_q‖, or a LoRA's ‖B_q A_q‖
+    total: float  # ‖δS + δS_q‖, or ‖U diag(δS) Vᵀ + B_q A_q‖
+
+
+def _product_norm_sq(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """‖left · rightᵀ‖_F² from the factors (`[out, k]`, `[in, k]`), without the `[out, in]`
+    product: tr(R Lᵀ L Rᵀ) = Σ (LᵀL) ⊙ (RᵀR), two `[k, k]` Grams, in float64."""
+    left, right = left.detach().double(), right.detach().double()
+    return ((left.T @ left) * (right.T @ right)).sum().clamp(min=0)
+
+
 @dataclass
 class AdapterSet:
     """Every adapter attached to one model, with the per-forward controls they share."""
@@ -291,6 +309,26 @@ class AdapterSet:
         for m in self.modules.values():
             out += [p for p in (m.delta_s_q, m.lora_a_q, m.lora_b_q) if p is not None]
         return out
+
+    @torch.no_grad()
+    def norms(self) -> AdapterNorms:
+        """The updates' sizes (`AdapterNorms`). A LoRA quarantine lies outside the kept
+        basis, so its sum with the kept part is normed from the stacked factors
+        `[U diag(δS), B_q] · [V, A_qᵀ]ᵀ`, never a dense `[out, in]` matrix."""
+        mods = list(self.modules.values())
+        kept = torch.cat([m.delta_s.reshape(-1) for m in mods])
+        if self.config.quarantine == "svd":
+            q = torch.cat([m.delta_s_q.reshape(-1) for m in mods])
+            return AdapterNorms(float(kept.norm()), float(q.norm()), float((kept + q).norm()))
+        quarantine = sum(_product_norm_sq(m.lora_b_q, m.lora_a_q.T) for m in mods)
+        total = sum(
+            _product_norm_sq(
+                torch.cat([m.u * m.delta_s, m.lora_b_q], dim=1),  # [out, r + lr]
+                torch.cat([m.v_t.T, m.lora_a_q.T], dim=1),  # [in, r + lr]
+            )
+            for m in mods
+        )
+        return AdapterNorms(float(kept.norm()), float(quarantine) ** 0.5, float(total) ** 0.5)
 
     def adapter_state(self, include_quarantine: bool = True) -> dict[str, torch.Tensor]:
         """The δ tensors (what weight sync sends to engines), `"<module>.<param>"` -> tensor,

@@ -85,9 +85,9 @@ class StepMetrics:
     flagged: float
     leakage: float
     seconds: float
-    # ‖δS‖, ‖δS_q‖ and ‖δS + δS_q‖ over all modules after the step (the quarantine's are
-    # 0 for a LoRA quarantine): a routed run whose parts grow apart while their sum does
-    # not is drifting (see routing.apply_gradient_mask)
+    # ‖δS‖, ‖δS_q‖ and ‖δS + δS_q‖ over all modules after the step (a LoRA quarantine's
+    # ‖B_q A_q‖ and ‖U diag(δS) Vᵀ + B_q A_q‖): a routed run whose parts grow apart while
+    # their sum does not is drifting (see AdapterNorms)
     kept_norm: float = 0.0
     quarantine_norm: float = 0.0
     sum_norm: float = 0.0
@@ -371,7 +371,7 @@ class GRPOTrainer:
             for p in adapters.quarantine_parameters():
                 p.grad = None
         self.optimizer.step()
-        kept_norm, quarantine_norm, sum_norm = self._adapter_norms()
+        norms = adapters.norms()
         return StepMetrics(
             step=self.step_index,
             reward=float(rewards.mean()),
@@ -381,9 +381,9 @@ class GRPOTrainer:
             flagged=float(flagged.float().mean()),
             leakage=float(leakage),
             seconds=0.0,
-            kept_norm=kept_norm,
-            quarantine_norm=quarantine_norm,
-            sum_norm=sum_norm,
+            kept_norm=norms.kept,
+            quarantine_norm=norms.quarantine,
+            sum_norm=norms.total,
             quarantine_dropped=dropped,
             tau=self.router.tau if cfg.arm != "none" and placebo is None else None,
             token_flag_rate=self.router.token_flag_rate,
@@ -406,17 +406,6 @@ class GRPOTrainer:
             return False
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_index + 29)
         return bool(torch.rand(1, generator=g) < self.cfg.quarantine_dropout)
-
-    @torch.no_grad()
-    def _adapter_norms(self) -> tuple[float, float, float]:
-        """‖δS‖, ‖δS_q‖ and ‖δS + δS_q‖ over all modules (δS_q: 0 without an SVD one)."""
-        kept, quarantine = [], []
-        for m in self.adapters.modules.values():
-            kept.append(m.delta_s.reshape(-1))
-            q = m.delta_s_q if m.delta_s_q is not None else torch.zeros_like(m.delta_s)
-            quarantine.append(q.reshape(-1))
-        k, q = torch.cat(kept), torch.cat(quarantine)
-        return float(k.norm()), float(q.norm()), float((k + q).norm())
 
     # -- evaluation (oracle labels: outside any training scope) ---------------------------
 

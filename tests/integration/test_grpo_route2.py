@@ -110,6 +110,24 @@ def test_route2_gradients_against_hand_computed_ones_per_rollout_and_per_token(p
     trainer.close()
 
 
+def test_a_step_records_the_lora_quarantines_size(path, tmp_path):
+    """After a route2 step (B_q starts at zero, then absorbs every rollout's gradient) the
+    step's quarantine norm is ‖B_q A_q‖ from the adapter's tensors, squares summed over
+    modules, and its sum norm ‖U diag(δS) Vᵀ + B_q A_q‖: not the 0 an SVD-only norm gave."""
+    trainer = GRPOTrainer(_config(path, tmp_path, tau=1e9))  # nothing flagged: both learn
+    metrics, _, _ = trainer.step()
+    quarantine = total = 0.0
+    for m in trainer.adapters.modules.values():
+        lora = m.lora_b_q.detach().double() @ m.lora_a_q.detach().double()  # [out, in]
+        kept = m.u.double() @ torch.diag(m.delta_s.detach().double()) @ m.v_t.double()
+        quarantine += float(lora.square().sum())
+        total += float((kept + lora).square().sum())
+    assert metrics.quarantine_norm > 0 and metrics.kept_norm > 0
+    assert metrics.quarantine_norm == pytest.approx(quarantine**0.5, rel=1e-5)
+    assert metrics.sum_norm == pytest.approx(total**0.5, rel=1e-5)
+    trainer.close()
+
+
 def _lora_moved(out_dir) -> bool:
     state = torch.load(out_dir / "checkpoint.pt", weights_only=False)["adapters"]
     return any(k.endswith("lora_b_q") and v.abs().max() > 0 for k, v in state.items())

@@ -269,6 +269,35 @@ def test_a_lora_quarantine_lies_outside_the_kept_basis(ckpt):
         assert outside(delta, m) < 1e-6
 
 
+def _dense_updates(m) -> tuple[torch.Tensor, torch.Tensor]:
+    """One module's kept and quarantine weight updates as dense `[out, in]` float64."""
+    u, v_t = m.u.double(), m.v_t.double()
+    kept = u @ torch.diag(m.delta_s.detach().double()) @ v_t
+    if m.delta_s_q is not None:
+        return kept, u @ torch.diag(m.delta_s_q.detach().double()) @ v_t
+    return kept, m.lora_b_q.detach().double() @ m.lora_a_q.detach().double()
+
+
+@pytest.mark.parametrize("quarantine", ["svd", "lora"])
+def test_norms_are_the_dense_updates_frobenius_norms(ckpt, quarantine):
+    """`AdapterSet.norms` gives ‖kept‖, ‖quarantine‖ and ‖kept + quarantine‖ of the weight
+    updates, squares summed over modules, as the dense matrices would: a LoRA quarantine
+    is sized too (‖B_q A_q‖), and zero while B_q is."""
+    _, adapters = _adapted(ckpt, quarantine=quarantine, kept_init=0.1)
+    assert adapters.norms().quarantine == 0
+    _randomise(adapters, seed=3)
+    dense = [_dense_updates(m) for m in adapters.modules.values()]
+
+    def norm(mats) -> float:
+        return float(sum(d.square().sum() for d in mats)) ** 0.5
+
+    got = adapters.norms()
+    assert got.kept == pytest.approx(norm(k for k, _ in dense), rel=1e-5)
+    assert got.quarantine == pytest.approx(norm(q for _, q in dense), rel=1e-5)
+    assert got.total == pytest.approx(norm(k + q for k, q in dense), rel=1e-5)
+    assert got.quarantine > 0 and got.total not in (got.kept, got.quarantine)
+
+
 @pytest.mark.parametrize("flags_of", ["rollouts", "tokens", "token directions"])
 def test_route2_absorbs_every_token_in_the_lora_and_detaches_the_flagged_kept_part(ckpt, flags_of):
     """route2 at one adapter, against a hand-computed case: with g_t = ∂L/∂y_t, z_t = x_t V
