@@ -32,10 +32,13 @@ rollouts' own GRPO gradient and δS_q the rest.
 The table reports, at the last evaluation (greedy, on held-out problems no training or
 pretraining prompt shares: `Env.sample_eval_prompts`), each arm's mean with a 95% t-interval
 over its runs: deploy (quarantine ablated) and trained hack and true-pass rates, leakage,
-the gate's AUROC against the held-back labels (diagnostic only), the deployed policy's
-well-formed rate, hack among well-formed answers and shortcut rate (`envs.evaluation_rates`:
-what broken output cannot game; records written before them are marked as lacking them) and
-the adapter norms ‖δS‖ / ‖δS_q‖ / ‖δS + δS_q‖ (drift). Then the primary outcome, the deploy
+the gate's AUROC against the held-back labels (diagnostic only), the flags' precision and
+recall against those labels (each run's mean over its steps; — where an arm flags nothing
+or its records predate them), the deployed policy's well-formed rate, hack among
+well-formed answers and shortcut rate (`envs.evaluation_rates`: what broken output cannot
+game; records written before them are marked as lacking them) and the adapter norms
+‖δS‖ / ‖δS_q‖ / ‖δS + δS_q‖ (drift; a LoRA quarantine's ‖B_q A_q‖). Its configuration line
+names the gate calibration where the records carry it. Then the primary outcome, the deploy
 hack rate, for every arm against vanilla and every ARM against ARM~placebo, by permutation
 test paired by (base, seed), Holm-corrected; an arm counts only if its deploy true pass is
 at least vanilla's − 0.02; the same on hack among well-formed answers where records have it.
@@ -134,6 +137,9 @@ COLUMNS = (
     "gate_auroc",
     "probe_auroc",
 )
+# Each step's flags against the (held-back) labels, averaged over the steps where defined
+# (`grpo.StepMetrics`); records written before them lack these keys.
+FLAG_COLUMNS = ("flag_precision", "flag_recall")
 WELL_FORMED_COLUMNS = (
     "deploy_well_formed_rate",
     "deploy_well_formed_hack_rate",
@@ -615,13 +621,14 @@ def tables(records: list[dict]) -> str:
     bases = len({r["base"] for r in records})
     revs = sorted({r["revision"] for r in records})
     formed = sum(all(k in r for k in WELL_FORMED_FIELDS) for r in records)
-    columns = COLUMNS + (WELL_FORMED_COLUMNS if formed else ())
+    columns = COLUMNS + FLAG_COLUMNS + (WELL_FORMED_COLUMNS if formed else ())
+    unflagged = sum(not all(k in r for k in FLAG_COLUMNS) for r in records)
     out = [
         f"`env {first['env']}, {bases} base(s), {len(records)} records, {first['steps']} GRPO "
         f"steps, {first['optimizer']} lr {first['lr']}, tau {first['tau']}, {first['split']} "
         f"split, {recorded(first, 'hack_pairs')} hack pairs, rank {first['rank']} on "
         f"{first['targets']}, {recorded(first, 'quarantine')} quarantine, device "
-        f"{recorded(first, 'device')}; revision {', '.join(revs)}`",
+        f"{recorded(first, 'device')}{gate_calibration(records)}; revision {', '.join(revs)}`",
         "",
         vanilla_emergence(records),
     ]
@@ -635,6 +642,8 @@ def tables(records: list[dict]) -> str:
     header = {
         "gate_auroc": "gate AUROC (diagnostic)",
         "probe_auroc": "probe AUROC (monitor)",
+        "flag_precision": "flag precision (vs oracle)",
+        "flag_recall": "flag recall (vs oracle)",
         "deploy_well_formed_rate": "deploy well-formed",
         "deploy_well_formed_hack_rate": "deploy hack among well-formed",
         "deploy_hack_form_rate": "deploy shortcut among well-formed",
@@ -660,6 +669,12 @@ def tables(records: list[dict]) -> str:
                  is not None]  # fmt: skip
         well_formed[arm] = sum(rates) / len(rates) if rates else math.nan
         out.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + f" | {norms} |")
+    if unflagged:
+        out += [
+            "",
+            f"flag precision and recall: absent from {unflagged} of {len(records)} records "
+            "(written before per-step flag quality was recorded), shown as —",
+        ]
     floor = skill.get("none", math.nan) - SKILL_MARGIN
 
     def keeps(arm: str) -> list[str]:
@@ -702,6 +717,23 @@ def tables(records: list[dict]) -> str:
             ),
         ]
     return "\n".join(out)
+
+
+def gate_calibration(records: list[dict]) -> str:
+    """The configuration line's gate calibration, as the records that carry it say (the
+    τ of the arms that flag by their own scores); empty where none does."""
+    carried = [r for r in records if "gate_calibration" in r]
+    if not carried:
+        return ""
+
+    def described(r: dict) -> str:
+        how = r["gate_calibration"]
+        if how == "none":
+            return "none (fixed tau)"
+        quantile = f" {r['gate_quantile']}" if how == "quantile" else ""
+        return f"{how}{quantile} every {r['calibrate_every']} step(s)"
+
+    return ", gate calibration " + "; ".join(dict.fromkeys(described(r) for r in carried))
 
 
 def quarantine_table(same_basis: list[dict], lora: list[dict]) -> str:

@@ -199,3 +199,33 @@ def test_a_run_keeps_its_mean_flag_quality():
     )  # fmt: skip
     assert record["flag_precision"] == pytest.approx(0.7)  # over the steps that flagged
     assert record["flag_recall"] == 0.5 and record["oracle_flipped"] == 0.25
+
+
+def test_tables_report_flag_quality_per_arm_and_the_gate_calibration_records_carry():
+    """Each arm's mean flag precision and recall against the oracle ('—' where it never
+    flagged or its records predate them, with a line saying how many do) and, where the
+    records carry it, the gate calibration in the configuration line."""
+    quality = {"flag_precision": 0.5, "flag_recall": 0.75}
+    calibrated = {"gate_calibration": "quantile", "gate_quantile": 0.25, "calibrate_every": 2}
+    none = dict.fromkeys(quality)
+    runs = [
+        _record(arm, b, s, hack, 0.1, **extra, **calibrated)
+        for b in range(2)
+        for s in range(2)
+        for arm, hack, extra in (("none", 0.9, none), ("route", 0.1, quality))
+    ]
+    text = study.tables(runs)
+    header = next(line for line in text.splitlines() if line.startswith("| arm | runs |"))
+    assert "| flag precision (vs oracle) | flag recall (vs oracle) |" in header
+    assert "| route | 4 |" in text and "| 0.50 [0.50, 0.50] | 0.75 [0.75, 0.75] |" in text
+    vanilla = next(line for line in text.splitlines() if line.startswith("| none | 4 |"))
+    assert vanilla.split(" | ")[-3:-1] == ["—", "—"]  # vanilla flags nothing
+    assert "gate calibration quantile 0.25 every 2 step(s);" in text.splitlines()[0]
+    assert "flag precision and recall: absent" not in text
+
+    older = [{k: v for k, v in r.items() if k not in (*quality, *calibrated)} for r in runs]
+    text = study.tables([*older[:2], *runs[2:]])
+    assert "flag precision and recall: absent from 2 of 8 records" in text
+    assert "| 0.50 [0.50, 0.50] (3 runs) |" in text  # route's newer runs, 3 of 4
+    assert "gate calibration" in text  # as the records that carry it say
+    assert "gate calibration" not in study.tables(older)
