@@ -27,6 +27,7 @@ Prints numbers only; it is never a pass/fail test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -274,7 +275,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="... and this PP size")
     p.add_argument(
         "--parallel",
-        help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2)",
+        help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2); a "
+        "trailing f (2x1f) turns on EngineConfig.fused_all_reduce_norm for that one",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
@@ -355,14 +357,17 @@ def main(argv: list[str] | None = None) -> None:
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    shapes = [(args.tp, args.pp)]
-    if args.parallel:
-        shapes = [tuple(int(n) for n in s.split("x")) for s in args.parallel.split(",")]
+    shapes = [(args.tp, args.pp, False)]
+    if args.parallel:  # "2x1", or "2x1f": with EngineConfig.fused_all_reduce_norm
+        shapes = [
+            (*(int(n) for n in spec.rstrip("f").split("x")), spec.endswith("f"))
+            for spec in args.parallel.split(",")
+        ]
     replicas = []
-    for tp, pp in shapes:
+    for tp, pp, fused in shapes:
         if tp * pp == 1:
             continue
-        name = f"tp{tp}pp{pp}"  # the replica's ranks are processes of their own
+        name = f"tp{tp}pp{pp}" + ("f" if fused else "")  # ranks are processes of their own
         systems.append(name)
         replicas.append(name)
         t = time.perf_counter()
@@ -376,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.steps,
                 args.profile and args.profile / name,
             ),
-            engine_config=engine_config,
+            engine_config=dataclasses.replace(engine_config, fused_all_reduce_norm=fused),
             device_type=device.type,
         )
         print(f"{name} replica measured in {time.perf_counter() - t:.1f} s")

@@ -224,3 +224,17 @@ def overlapped(engine) -> dict:
             for sample in delta.samples:
                 tokens.setdefault(delta.request_id, []).extend(sample.token_ids)
     return {"tokens": tokens, "overlapped": all(overlapping), "steps": engine.num_steps}
+
+
+def plain_decode(engine) -> dict:
+    """Requests that intervene nowhere, in one batch (every step on the plain path, whose
+    TP all-reduces `EngineConfig.fused_all_reduce_norm` fuses): their tokens and logprobs,
+    the graph steps, and whether the fused kernel is on."""
+    prompts = ["the quick brown fox", "a small model runs on", "once upon a time", "1 2 3 4"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
+    outs = LLM(engine=engine).generate(prompts, params)
+    return {
+        "outputs": [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
+        "graph_steps": engine.stats()["num_graph_steps"],
+        "fused": engine.runner.ctx.fused_norm is not None,
+    }

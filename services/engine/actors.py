@@ -78,7 +78,14 @@ class EngineRank:
 
         config = EngineConfig(**engine_config)
         device, _ = resolve_device_dtype(config.device, config.dtype)
-        ctx, sync = init_replica(self.rank, self.tp_size, self.pp_size, init_method, device.type)
+        ctx, sync = init_replica(
+            self.rank,
+            self.tp_size,
+            self.pp_size,
+            init_method,
+            device.type,
+            config.fused_all_reduce_norm,
+        )
         store = None
         if patch_store_address and sync.is_driver:  # only the driver resolves sources
             from services.patch_store.client import PatchStoreClient

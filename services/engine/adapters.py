@@ -214,14 +214,19 @@ class AdaptedLinear(nn.Module):
     def basis_in(self) -> torch.Tensor:  # [in, R], a view
         return self.weight_cat[self.out_features :].T
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce` False (a row-split module only): this rank's partial sum, which the
+        caller all-reduces (`RowParallelLinear.forward`'s)."""
         rows = self.bank.step_rows
         if rows is None:
-            return self.base(x)
+            return self.base(x) if reduce else self.base(x, reduce=False)
         y = lowrank_expand(F.linear(x, self.weight_cat), self.basis_out, self.coef, rows)
+        bias = getattr(self.base, "bias", None)
+        if not reduce:  # the expand is linear in each rank's part: the sum comes later
+            assert self.split == "row" and bias is None, "only a row-split sum waits"
+            return y
         if self.split == "row":  # each rank's part of x Wᵀ and of the shrink: add them up
             y = self.base.ctx.all_reduce(y)
-        bias = getattr(self.base, "bias", None)
         return y + bias if bias is not None else y
 
     def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

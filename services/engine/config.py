@@ -83,6 +83,10 @@ class EngineConfig:
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (only while no request intervenes; see LLMEngine.step).
     async_scheduling: bool = True
+    # Tensor parallelism on CUDA: each layer's all-reduces run fused with the residual add
+    # and norm after them, one kernel over symmetric memory (kernels/all_reduce_norm.py).
+    # Off by default until it has run on GPUs; unavailable, it is logged and kept apart.
+    fused_all_reduce_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -22,6 +22,7 @@ Collectives: the model's all-reduces and the stage-to-stage hand-off use the dev
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import threading
 from datetime import timedelta
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from services.engine.model.patch_pass import PassJob, PassResult
     from services.engine.scheduler import SchedulerOutput
     from services.engine.step_batch import StepResult
+
+log = logging.getLogger(__name__)
 
 # Idle worker ranks wait in a broadcast until the driver's next step, which can be hours.
 IDLE_TIMEOUT = timedelta(days=7)
@@ -70,11 +73,13 @@ def init_replica(
     pp_size: int,
     init_method: str,
     device_type: str = "cpu",
+    fused_all_reduce_norm: bool = False,
 ) -> tuple[ParallelContext, StepSync]:
     """Join this process to its replica's process groups; returns its context and step sync.
 
     Ranks are numbered stage by stage (`rank = pp_rank * tp_size + tp_rank`); every rank must
-    call this with the same sizes and `init_method` (e.g. `tcp://127.0.0.1:29500`).
+    call this with the same sizes, `init_method` (e.g. `tcp://127.0.0.1:29500`) and
+    `fused_all_reduce_norm` (`EngineConfig`'s).
     """
     world = tp_size * pp_size
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -90,11 +95,16 @@ def init_replica(
         group = dist.new_group(ranks, timeout=IDLE_TIMEOUT) if tp_size > 1 else None
         if rank in ranks:
             tp_group = group
-    symmetric = None
+    symmetric = fused = None
     if device_type == "cuda" and tp_size > 1:
-        symmetric = symmetric_all_reduce(
-            tp_group, torch.device("cuda", torch.cuda.current_device())
-        )
+        device = torch.device("cuda", torch.cuda.current_device())
+        symmetric = symmetric_all_reduce(tp_group, device)
+        if fused_all_reduce_norm:
+            from services.engine.kernels.all_reduce_norm import fused_all_reduce_norm as make
+
+            fused = make(tp_group, device)
+    elif fused_all_reduce_norm:
+        log.warning("fused_all_reduce_norm applies to tensor parallelism on CUDA: not used")
     ctx = ParallelContext(
         tp_rank=rank % tp_size,
         tp_size=tp_size,
@@ -102,6 +112,7 @@ def init_replica(
         pp_size=pp_size,
         tp_group=tp_group,
         symmetric=symmetric,
+        fused_norm=fused,
     )
     return ctx, StepSync(ctx, objects)
 

@@ -29,6 +29,9 @@ class ParallelContext:
     tp_group: Any = None  # torch.distributed ProcessGroup when tp_size > 1
     # Small CUDA all-reduces of the TP group through symmetric memory (None: NCCL's)
     symmetric: SymmetricAllReduce | None = None
+    # The all-reduce fused with the add and norm after it (`kernels/all_reduce_norm.py`;
+    # EngineConfig.fused_all_reduce_norm), None: kept apart
+    fused_norm: Any = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
@@ -86,6 +89,16 @@ class ParallelContext:
             return self.symmetric(x)
         dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def all_reduce_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(Σx + residual), Σx + residual), Σ over the TP group: one fused kernel where
+        `fused_norm` takes the call, else the all-reduce, then `norm`'s fused add + norm."""
+        fused = self.fused_norm
+        if fused is not None and fused.fits(x):
+            return fused(x, residual, norm.weight, norm.eps)
+        return norm(self.all_reduce(x), residual)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

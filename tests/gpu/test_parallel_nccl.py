@@ -93,3 +93,26 @@ def test_parallel_decode_replays_graphs_like_one_gpu(checkpoint, tp, pp):
             assert a == pytest.approx(b, abs=1e-3)
         for key, t in (w["captures"] or {}).items():
             torch.testing.assert_close(g["captures"][key], t, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, dtype):
+    """`fused_all_reduce_norm`: a TP=2 replica whose plain steps all-reduce inside the norm
+    after each sub-block (one kernel over symmetric memory, in the decode graphs too) gives
+    the tokens and logprobs of a TP=2 replica that keeps them apart, and of one GPU."""
+    config = dataclasses.replace(CONFIG, dtype=dtype)
+    fused = dataclasses.replace(config, fused_all_reduce_norm=True)
+    one = parallel_workload.plain_decode(LLMEngine(checkpoint, config))
+    apart, together = (
+        launch_local(str(checkpoint), 2, 1, parallel_workload.plain_decode, engine_config=c,
+                     device_type="cuda")
+        for c in (config, fused)
+    )  # fmt: skip
+    assert together["fused"] and not apart["fused"]
+    assert together["graph_steps"] > 0 and together["graph_steps"] == apart["graph_steps"]
+    tol = 1e-3 if dtype == "float32" else 5e-2
+    for want in (apart, one):
+        for (gt, glp), (wt, wlp) in zip(together["outputs"], want["outputs"], strict=True):
+            assert gt == wt
+            for a, b in zip(glp, wlp, strict=True):
+                assert all(math.isclose(a[k], b[k], abs_tol=tol) for k in b)

@@ -116,8 +116,13 @@ class RowParallelLinear(nn.Module):
         _check_shape(param, shard)
         param.data.copy_(shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce` False: this rank's partial sum, for a caller that reduces it itself (the
+        fused all-reduce + norm, `ParallelContext.all_reduce_add_norm`; no bias then)."""
         y = F.linear(x, self.weight)
+        if not reduce:
+            assert self.bias is None, "a partial sum takes its bias after the reduction"
+            return y
         y = self.ctx.all_reduce(y)
         # Bias once, after the reduction, so it is not counted tp_size times.
         return y + self.bias if self.bias is not None else y

@@ -81,7 +81,9 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         return q, k, v
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: Any, reduce: bool = True
+    ) -> torch.Tensor:
         t = x.shape[0]
         assert self.kv_cache is not None, "the runner must attach a KV cache before forward"
         if self.backend.reads_kv_from_cache:
@@ -98,7 +100,10 @@ class Attention(nn.Module):
         else:
             q, k, v = self.project(positions, x)
             o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        # (reduce=False only under the fused TP kernel: wrappers such as the trainer's
+        # adapted Linears take one argument)
+        return self.o_proj(o) if reduce else self.o_proj(o, reduce=False)
 
 
 class MLP(nn.Module):
@@ -108,8 +113,9 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], cfg.mlp_bias, ctx)
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        a = silu_mul(self.gate_up_proj(x))
+        return self.down_proj(a) if reduce else self.down_proj(a, reduce=False)
 
 
 class DecoderLayer(nn.Module):
@@ -123,6 +129,10 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.layer_idx = layer_idx
+        self.ctx = ctx
+        # Under TP with the fused kernel, the plain path leaves each sub-block's output a
+        # partial sum, which the norm after it all-reduces (no biases to add after it).
+        self.fuse_reduce = ctx.fused_norm is not None and not (cfg.o_bias or cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, ctx, backend, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -171,14 +181,23 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with each residual add fused into the norm after it (no
         intervention sites): takes and returns (the last sub-block's output, the residual
-        stream before it is added); `residual` None means x is the stream itself."""
+        stream before it is added); `residual` None means x is the stream itself. With
+        `fuse_reduce`, sub-block outputs (x and the first part returned included) are this
+        rank's partial sums, and each all-reduce runs inside the norm after it."""
         if residual is None:
             residual, normed = x, self.input_layernorm(x)
         else:
-            normed, residual = self.input_layernorm(x, residual)
-        a = self.self_attn(positions, normed, meta)
-        normed, residual = self.post_attention_layernorm(a, residual)
-        return self.mlp(normed), residual
+            normed, residual = self._add_norm(self.input_layernorm, x, residual)
+        a = self.self_attn(positions, normed, meta, reduce=not self.fuse_reduce)
+        normed, residual = self._add_norm(self.post_attention_layernorm, a, residual)
+        return self.mlp(normed, reduce=not self.fuse_reduce), residual
+
+    def _add_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fuse_reduce:
+            return self.ctx.all_reduce_add_norm(x, residual, norm)
+        return norm(x, residual)
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -254,8 +273,11 @@ class LlamaFamilyForCausalLM(nn.Module):
             h, residual = layer.forward_fused(positions, h, residual, meta)
         if residual is None:  # a stage with no layers
             return self.norm(h) if self.norm is not None else h
+        partial = next(iter(self.layers.values())).fuse_reduce  # h is a partial sum
         if self.norm is None:
-            return h + residual
+            return (self.ctx.all_reduce(h) if partial else h) + residual
+        if partial:
+            return self.ctx.all_reduce_add_norm(h, residual, self.norm)[0]
         return self.norm(h, residual)[0]
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
