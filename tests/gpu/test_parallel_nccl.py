@@ -103,9 +103,10 @@ def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, dtyp
     config = dataclasses.replace(CONFIG, dtype=dtype)
     fused = dataclasses.replace(config, fused_all_reduce_norm=True)
     one = parallel_workload.plain_decode(LLMEngine(checkpoint, config))
+    # A wrong barrier hangs the ranks: fail in minutes rather than the default ten.
     apart, together = (
         launch_local(str(checkpoint), 2, 1, parallel_workload.plain_decode, engine_config=c,
-                     device_type="cuda")
+                     device_type="cuda", timeout_s=240)
         for c in (config, fused)
     )  # fmt: skip
     assert together["fused"] and not apart["fused"]
