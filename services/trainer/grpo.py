@@ -20,6 +20,9 @@ One step:
    outside the training scope, for logging and evaluation: as trained, and as deployed
    (quarantine ablated), and the flags' precision and recall against them.
 
+After the last step, expand-route-ablate's `coherence_steps` fine-tune the kept part alone,
+label-free (`coherence.py`), and the run evaluates once more.
+
 The configuration is `grpo_config.py`'s (re-exported here).
 """
 
@@ -40,6 +43,7 @@ from services.engine import LLMEngine, SamplingParams
 from services.engine.model.tokenizer import Tokenizer
 from services.trainer.adapters import AdapterConfig, AdapterSet, attach_adapters
 from services.trainer.async_rollouts import AsyncRollouts
+from services.trainer.coherence import CoherencePhase
 from services.trainer.envs import (
     ContrastivePair,
     Env,
@@ -118,7 +122,7 @@ class GRPOTrainer:
                 kept_init=cfg.kept_init,
                 quarantine_init=cfg.quarantine_init,
                 quarantine=cfg.quarantine,
-                lora_rank=cfg.lora_rank,
+                lora_rank=cfg.quarantine_rank,
                 seed=cfg.seed,
             ),
         )
@@ -181,6 +185,7 @@ class GRPOTrainer:
             cfg.eval_prompts, random.Random(cfg.seed + 10**6)
         )
         self.step_index = 0
+        self.coherence_done = False  # expand-route-ablate: the coherence steps have run
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         if self.probe is not None:
@@ -451,6 +456,7 @@ class GRPOTrainer:
                 "rng": self.rng.getstate(),
                 "torch_rng": torch.get_rng_state(),
                 "tau": self.router.tau,
+                "coherence_done": self.coherence_done,
                 "config": self.cfg.model_dump(),
             },
             tmp,
@@ -471,6 +477,7 @@ class GRPOTrainer:
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
         self.step_index = state["step"]
+        self.coherence_done = state.get("coherence_done", False)
         self.router.tau = state.get("tau", self.cfg.tau)  # before calibration: the fixed τ
 
 
@@ -544,6 +551,10 @@ def _train(
                 trainer.save()
             if bar is not None:
                 bar.update(1)
+        if config.coherence_steps and not trainer.coherence_done:  # after the last step
+            CoherencePhase(trainer).run(emit)
+            trainer.coherence_done = True
+            trainer.save()
     if bar is not None:
         bar.close()
     plot_rates(log_path, trainer.out / "rates.png")

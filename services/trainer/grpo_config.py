@@ -11,12 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from services.common.errors import InvalidRequestError
 
 Arm = Literal[
-    "none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout", "route2"
-]
+    "none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout", "route2",
+    "expand-route-ablate",
+]  # fmt: skip
 # Arms that move δS-basis gradient into δS_q, so need the same-basis quarantine ("svd").
 SAME_BASIS_ARMS = ("route", "placebo", "route-dropout")
 # Arms that flag by the activation gate (Arm B's direction, per rollout or per token).
-ACTIVATION_ARMS = ("activation", "route2")
+ACTIVATION_ARMS = ("activation", "route2", "expand-route-ablate")
+# Arms that route as route2 does: a LoRA quarantine always in the forward, absorbing, the
+# kept part detach-routed (expand-route-ablate adds quarantine rank and coherence steps).
+ROUTE2_ARMS = ("route2", "expand-route-ablate")
 
 
 class GRPOConfig(BaseModel):
@@ -53,6 +57,13 @@ class GRPOConfig(BaseModel):
         "svd", description="lora: a separate quarantine LoRA B_q·A_q instead of δS_q"
     )
     lora_rank: int = Field(4, ge=1)
+    quarantine_extra_rank: int | None = Field(
+        None,
+        ge=1,
+        description="arm expand-route-ablate (design d): the LoRA quarantine's rank beyond the "
+        "kept part's, i.e. its rank is rank + this (added capacity for what is routed; "
+        "lora_rank is then not set by hand)",
+    )
     # routing
     arm: Arm = "none"
     tau: float = 0.0
@@ -139,6 +150,14 @@ class GRPOConfig(BaseModel):
         "spec's form: at each adapter, where(cos(x·V, v) > tau, kept.detach(), kept) "
         "(route_split does not apply); route2's random_flags then flag tokens",
     )
+    coherence_steps: int = Field(
+        0,
+        ge=0,
+        description="arm expand-route-ablate: after the last step, K label-free steps that "
+        "fine-tune the kept part alone, quarantine ablated, on the deployed policy's own "
+        "samples the training grader rewards (coherence.py), then one more evaluation "
+        "(0: none)",
+    )
     # evaluation, logging, checkpoints
     eval_every: int = Field(10, ge=1)
     eval_prompts: int = Field(64, ge=1)
@@ -165,20 +184,47 @@ class GRPOConfig(BaseModel):
         """Whether the arm flags by Arm B's activation gate (`activation`, `route2`)."""
         return self.arm in ACTIVATION_ARMS
 
+    @property
+    def quarantine_rank(self) -> int:
+        """The LoRA quarantine's rank: `rank + quarantine_extra_rank` for expand-route-ablate,
+        else `lora_rank`."""
+        if self.quarantine_extra_rank is not None:
+            return self.rank + self.quarantine_extra_rank
+        return self.lora_rank
+
     @model_validator(mode="after")
     def _consistent(self) -> GRPOConfig:
-        if self.arm == "route2" and (self.quarantine != "lora" or self.route_split != "partition"):
+        if self.arm in ROUTE2_ARMS and (
+            self.quarantine != "lora" or self.route_split != "partition"
+        ):
             raise ValueError(
-                "arm 'route2' keeps its quarantine in a basis of its own, always in the "
+                f"arm {self.arm!r} keeps its quarantine in a basis of its own, always in the "
                 "forward: set quarantine 'lora' (and leave route_split 'partition'; the kept "
                 f"part is detach-routed in the forward); got quarantine {self.quarantine!r}, "
                 f"route_split {self.route_split!r}"
+            )
+        era = self.arm == "expand-route-ablate"
+        if era != (self.quarantine_extra_rank is not None):
+            raise ValueError(
+                "quarantine_extra_rank (the LoRA quarantine's rank beyond the kept rank) goes "
+                f"with arm 'expand-route-ablate' and only with it; got arm {self.arm!r}, "
+                f"quarantine_extra_rank {self.quarantine_extra_rank!r}"
+            )
+        if era and "lora_rank" in self.model_fields_set:
+            raise ValueError(
+                "arm 'expand-route-ablate' sizes its quarantine as rank + "
+                "quarantine_extra_rank: leave lora_rank unset"
+            )
+        if self.coherence_steps and not era:
+            raise ValueError(
+                "coherence_steps fine-tune the kept part after the quarantine is ablated: "
+                f"they go with arm 'expand-route-ablate', got arm {self.arm!r}"
             )
         if self.quarantine == "lora" and self.arm in SAME_BASIS_ARMS:
             raise ValueError(
                 f"arm {self.arm!r} moves δS-basis gradient into δS_q and needs quarantine "
                 "'svd'; with a LoRA quarantine use arm 'route2' (route in the LoRA's own basis), "
-                "'erase', 'activation', 'kept-ablated' or 'none'"
+                "'expand-route-ablate', 'erase', 'activation', 'kept-ablated' or 'none'"
             )
         if (self.arm == "route-dropout") != (self.quarantine_dropout is not None):
             raise ValueError(
@@ -230,7 +276,7 @@ class GRPOConfig(BaseModel):
         if self.activation_granularity == "token" and (
             self.arm not in ACTIVATION_ARMS
             or self.activation_space != "adapter"
-            or (self.random_flags is not None and self.arm != "route2")
+            or (self.random_flags is not None and self.arm not in ROUTE2_ARMS)
             or self.oracle_flags
         ):
             raise ValueError(

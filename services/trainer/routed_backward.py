@@ -18,7 +18,9 @@ quarantine by the configured arm (`GRPOConfig.arm`):
 - `route2` (design a, the seed's reviewed design): a LoRA quarantine in its own basis,
   always in the forward and absorbing gradient from every rollout, and the kept part
   detach-routed, `where(flag, kept.detach(), kept)`, on rollouts or tokens Arm B's gate
-  flags (`_route2_backward`).
+  flags (`_route2_backward`);
+- `expand-route-ablate` (design d): route2's backward, with a wider LoRA quarantine and
+  label-free coherence steps after training (`coherence.py`).
 
 Every routed arm takes flags given in advance (`oracle_flags`, `random_flags`) in place of
 its own decision. The gate's threshold τ is fixed, or calibrated on the current policy
@@ -106,7 +108,9 @@ class RoutedBackward:
         own decision. Returns the loss's output (for metrics), the `[B]` flags, the gate's
         scores and the leakage."""
         cfg, adapters = self.cfg, self.adapters
-        arm = "route" if cfg.arm == "route-dropout" else cfg.arm  # the dropout is the caller's
+        # The dropout is the caller's; expand-route-ablate routes as route2 (its extra rank
+        # and coherence steps are the adapters' and the loop's).
+        arm = {"route-dropout": "route", "expand-route-ablate": "route2"}.get(cfg.arm, cfg.arm)
         width = old_logp.shape[1]
         B = batch.batch_size
         scores = torch.zeros(B)

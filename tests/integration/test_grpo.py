@@ -150,6 +150,14 @@ LABEL_FREE = {
     "kept-ablated-midpoint": {"arm": "kept-ablated", **MIDPOINT},
     "dropout-quantile": {"arm": "route-dropout", "quarantine_dropout": 0.5, **QUANTILE},
     "route2-midpoint": {**ROUTE2, **MIDPOINT},
+    # expand-route-ablate: route2 with a wider quarantine, then label-free coherence steps
+    # (the run at the end takes them; test_grpo_era.py spies on their update)
+    "expand-route-ablate": {
+        "arm": "expand-route-ablate",
+        "quarantine": "lora",
+        "quarantine_extra_rank": 2,
+        "coherence_steps": 1,
+    },
 }
 
 
