@@ -20,7 +20,11 @@ probability P, e.g. `route-dropout0.25`). The seed's reviewed design (issue 28, 
 rollout, the kept part detach-routed on the rollouts Arm B's gate flags; always
 `quarantine: lora`, whatever `--quarantine` says) and `route2-token` (the same per token;
 its `~placebo` flags tokens at its measured token rate, and its oracle bound is
-`route2~oracle`: the labels flag rollouts). `ARM~oracle-noiseP` is ARM~oracle with a share P
+`route2~oracle`: the labels flag rollouts). Design d, expand-route-ablate: `expand-route-ablate-KN`
+(route2 with a quarantine of rank `--rank` beyond the kept part's, i.e. twice its capacity,
+then N label-free coherence steps on the kept part alone after the ablation,
+`trainer/coherence.py`; its records are the evaluation after them, so K0 against K4 is its
+report against K). `ARM~oracle-noiseP` is ARM~oracle with a share P
 of the oracle's flags flipped each step (`GRPOConfig.oracle_flip`; `NOISE_ARMS`, the
 noisy-oracle curve: how good flags must be for routing to beat its placebo).
 `--gate-calibration quantile|midpoint` re-estimates the τ of every arm that flags by its own
@@ -92,15 +96,25 @@ TOKEN_ARM = "token"
 # route2 per token (its placebo flags tokens; no oracle variant: the labels flag rollouts).
 ROUTE2_TOKEN = "route2-token"
 ROUTE2_ARMS = ("route2", ROUTE2_TOKEN)  # always trained with a LoRA quarantine
+# `expand-route-ablate-KN` (design d): route2 with a wider quarantine and N coherence steps.
+ERA_ARM = "expand-route-ablate"
+ERA_KS = (0, 4)  # the coherence steps the headline reports against
 QUICK_ARMS = (
     "base,none,ceiling,activation,activation~placebo,activation~oracle,probe,probe~placebo,"
     "erase~oracle"
 )
-# The routing designs (issue 28, item 2 a, b and c), each with its rate-matched placebo
+# The routing designs (issue 28, item 2 a, b, c and d), each with its rate-matched placebo
 # and its oracle-flag bound (route2-token's is route2~oracle).
 DESIGN_ARMS = ",".join(
     f"{arm}{variant}"
-    for arm in ("route2", ROUTE2_TOKEN, "kept-ablated", "route-dropout0.25", "route-dropout0.5")
+    for arm in (
+        "route2",
+        ROUTE2_TOKEN,
+        "kept-ablated",
+        "route-dropout0.25",
+        "route-dropout0.5",
+        *(f"{ERA_ARM}-K{k}" for k in ERA_KS),
+    )
     for variant in ("", "~placebo", "~oracle")
     if (arm, variant) != (ROUTE2_TOKEN, "~oracle")
 )
@@ -202,6 +216,12 @@ def dropout_of(arm: str) -> float | None:
     return p if 0 <= p <= 1 else None
 
 
+def coherence_of(arm: str) -> int | None:
+    """N of an `expand-route-ablate-KN` arm (its coherence steps), None for any other arm."""
+    k = arm.removeprefix(f"{ERA_ARM}-K")
+    return int(k) if arm.startswith(f"{ERA_ARM}-K") and k.isdigit() else None
+
+
 def oracle_noise_of(variant: str | None) -> float | None:
     """P of an `oracle-noiseP` variant (the share of the oracle's flags flipped), else None."""
     if variant is None or not variant.startswith(ORACLE_NOISE):
@@ -219,10 +239,12 @@ def parse_arm(spec: str) -> tuple[str, str | None]:
     arm, _, variant = spec.partition("~")
     known = (*ARMS, PROBE_ARM, TOKEN_ARM, ROUTE2_TOKEN, *REFERENCES)
     variant_ok = variant in ("", "placebo", "oracle") or oracle_noise_of(variant) is not None
-    if (arm not in known and dropout_of(arm) is None) or not variant_ok:
+    designed = dropout_of(arm) is not None or coherence_of(arm) is not None
+    if (arm not in known and not designed) or not variant_ok:
         raise SystemExit(
-            f"unknown arm {spec!r}: use one of {', '.join(known)} or {DROPOUT_ARM}P (P a "
-            "probability, e.g. route-dropout0.25), optionally with ~placebo (rate-matched "
+            f"unknown arm {spec!r}: use one of {', '.join(known)}, {DROPOUT_ARM}P (P a "
+            f"probability, e.g. route-dropout0.25) or {ERA_ARM}-KN (N coherence steps, e.g. "
+            f"{ERA_ARM}-K4), optionally with ~placebo (rate-matched "
             "random flags), ~oracle (the labels' upper bound) or ~oracle-noiseP (the labels "
             "with a share P flipped, e.g. ~oracle-noise0.2)"
         )
@@ -290,6 +312,8 @@ def grpo_arm(arm: str) -> str:
     """The `GRPOConfig.arm` a study arm trains (`ceiling` is vanilla GRPO on the exact grader)."""
     if dropout_of(arm) is not None:
         return DROPOUT_ARM
+    if coherence_of(arm) is not None:
+        return ERA_ARM
     return {
         "ceiling": "none", PROBE_ARM: "activation", TOKEN_ARM: "activation", ROUTE2_TOKEN: "route2"
     }.get(arm, arm)  # fmt: skip
@@ -297,9 +321,11 @@ def grpo_arm(arm: str) -> str:
 
 def as_run(name: str, settings: dict) -> dict:
     """The study's `settings` as run `name` (`ARM` or `ARM~variant`) trains them: route2's
-    arms always with a LoRA quarantine and the partition split (its kept part is routed in
-    the forward), whatever the study's `quarantine` and `split`; a record keeps these."""
-    if name.partition("~")[0] not in ROUTE2_ARMS:
+    arms (and expand-route-ablate's) always with a LoRA quarantine and the partition split
+    (its kept part is routed in the forward), whatever the study's `quarantine` and `split`;
+    a record keeps these."""
+    arm = name.partition("~")[0]
+    if arm not in ROUTE2_ARMS and coherence_of(arm) is None:
         return settings
     return {**settings, "quarantine": "lora", "split": "partition"}
 
@@ -314,6 +340,9 @@ def run_config(args: argparse.Namespace, run: Run, base: Path, rate: float | Non
         env_args={"grader": "exact"} if run.arm == "ceiling" else {},
         arm=grpo_arm(run.arm),
         quarantine_dropout=dropout_of(run.arm),
+        # design d: the quarantine twice the kept part's capacity (rank + rank)
+        quarantine_extra_rank=args.rank if coherence_of(run.arm) is not None else None,
+        coherence_steps=coherence_of(run.arm) or 0,
         probe_layer=args.probe_layer,
         activation_space="residual" if run.arm == PROBE_ARM else "adapter",
         activation_granularity="token" if run.arm in (TOKEN_ARM, ROUTE2_TOKEN) else "rollout",
@@ -888,7 +917,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="svd",
         choices=["svd", "lora"],
         help="svd: δS_q in the kept part's basis; lora: a LoRA of its own basis (Arm A's "
-        "route, placebo and route-dropoutP need svd; route2's arms always use lora)",
+        "route, placebo and route-dropoutP need svd; route2's and expand-route-ablate-KN's "
+        "arms always use lora)",
     )
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument(

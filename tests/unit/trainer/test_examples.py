@@ -15,9 +15,11 @@ def test_every_example_validates_and_each_arm_has_one():
         for path in sorted(EXAMPLES.glob("*.yaml"))
     }
     arms = ("none", "erase", "route", "activation", "placebo", "kept-ablated", "route-dropout")
-    for arm in (*arms, "route2"):
+    for arm in (*arms, "route2", "expand-route-ablate"):
         assert configs[arm].arm == arm
     assert configs["route2"].quarantine == "lora"
+    era = configs["expand-route-ablate"]
+    assert (era.quarantine_rank, era.coherence_steps) == (era.rank + 8, 4)
     assert configs["route-dropout"].quarantine_dropout == 0.25
     assert configs["lora-activation"].quarantine == "lora"
     assert configs["async-route"].rollout_mode == "async"

@@ -1,6 +1,6 @@
 """`GRPOConfig` validation of the routing designs' arms (issue 28: route2, kept-ablated,
-route-dropout), and the routing study's names for them mapping onto valid configs (no
-training here: the arms' updates are `tests/integration/test_grpo*.py`'s)."""
+route-dropout, expand-route-ablate), and the routing study's names for them mapping onto
+valid configs (no training here: the arms' updates are `tests/integration/test_grpo*.py`'s)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ def test_study_arms_of_the_designs_map_onto_their_configs(tmp_path):
         if run.arm.startswith("route-dropout"):
             assert cfg.arm == "route-dropout"
             assert cfg.quarantine_dropout == float(run.arm.removeprefix("route-dropout"))
+        elif run.arm.startswith("expand-route-ablate"):
+            assert cfg.arm == "expand-route-ablate" and cfg.quarantine_dropout is None
         else:
             assert cfg.arm == run.arm.removesuffix("-token") and cfg.quarantine_dropout is None
     for bad in ("route-dropout", "route-dropout1.5", "route-dropoutx", "kept-ablated~twice"):
@@ -142,3 +144,61 @@ def test_study_arms_of_route2_train_a_lora_quarantine_and_record_it(tmp_path):
     path = tmp_path / "study.jsonl"
     path.write_text(json.dumps(record) + "\n")
     assert study.earlier_records(path, common) == [record]
+
+
+ERA = {"arm": "expand-route-ablate", "quarantine": "lora", "quarantine_extra_rank": 4}
+
+
+def test_expand_route_ablate_widens_its_lora_quarantine_and_alone_takes_coherence_steps():
+    """Design d: route2's quarantine with rank + quarantine_extra_rank, its variants as
+    route2's; the extra rank and the coherence steps go with this arm only, and the LoRA's
+    rank is not set twice."""
+    cfg = _config(**ERA, rank=8, coherence_steps=3)
+    assert (cfg.quarantine_rank, cfg.coherence_steps) == (12, 3)
+    assert _config(**ERA).coherence_steps == 0  # K = 0: no coherence phase
+    for variant in (
+        {"random_flags": 0.3},
+        {"oracle_flags": True},
+        {"gate_calibration": "midpoint"},
+    ):
+        assert _config(**ERA, **variant).arm == "expand-route-ablate"
+    with pytest.raises(pydantic.ValidationError, match=r"expand-route-ablate.*quarantine 'lora'"):
+        _config(arm="expand-route-ablate", quarantine_extra_rank=4)
+    with pytest.raises(pydantic.ValidationError, match="quarantine_extra_rank"):
+        _config(arm="expand-route-ablate", quarantine="lora")
+    with pytest.raises(pydantic.ValidationError, match="quarantine_extra_rank"):
+        _config(arm="route2", quarantine="lora", quarantine_extra_rank=4)
+    with pytest.raises(pydantic.ValidationError, match="leave lora_rank unset"):
+        _config(**ERA, lora_rank=4)
+    with pytest.raises(pydantic.ValidationError, match="coherence_steps"):
+        _config(arm="route2", quarantine="lora", coherence_steps=2)
+    with pytest.raises(pydantic.ValidationError, match="coherence_steps"):
+        _config(**ERA, coherence_steps=-1)
+    assert _config(arm="route2", quarantine="lora", lora_rank=3).quarantine_rank == 3
+
+
+def test_study_arms_of_expand_route_ablate_name_their_coherence_steps(tmp_path):
+    """`expand-route-ablate-KN` trains route2's routing with a quarantine of twice the kept
+    rank and N coherence steps, with a LoRA quarantine whatever `--quarantine` says; the
+    headline's defaults report K = 0 and 4, each with its placebo and oracle."""
+    args = study.parse_args(["--arms", "none," + study.DESIGN_ARMS, "--seeds", "1"])
+    runs = {r.name: r for r in study.plan(args)}
+    for k in study.ERA_KS:
+        for variant in ("", "~placebo", "~oracle"):
+            run = runs[f"expand-route-ablate-K{k}{variant}"]
+            cfg = study.run_config(args, run, tmp_path, 0.2 if variant == "~placebo" else None)
+            assert (cfg.arm, cfg.quarantine, cfg.route_split) == (
+                "expand-route-ablate", "lora", "partition"
+            )  # fmt: skip
+            assert (cfg.coherence_steps, cfg.quarantine_rank) == (k, 2 * args.rank)
+            assert cfg.oracle_flags == (variant == "~oracle")
+    assert study.parse_arm("expand-route-ablate-K12~oracle") == (
+        "expand-route-ablate-K12",
+        "oracle",
+    )
+    for bad in ("expand-route-ablate", "expand-route-ablate-K", "expand-route-ablate-Kx"):
+        with pytest.raises(SystemExit, match="unknown arm"):
+            study.parse_arm(bad)
+    study_settings = {"quarantine": "svd", "split": "share"}
+    trained = study.as_run("expand-route-ablate-K4~placebo", study_settings)
+    assert trained == {"quarantine": "lora", "split": "partition"}
