@@ -115,10 +115,15 @@ def test_an_empty_redis_gets_the_policies_and_latches_back(server, rdb, started)
     wait_for(lambda: a.status()["processed"] == 1, "the entry")
     server.restart()  # empty: stream, group, saved policies and latches all gone
     rdb.connection_pool.reset()
-    wait_for(lambda: rdb.exists(saved_state.policies_key(group)), "the policies to be re-saved")
+    # The policies and the latches are written back one after the other: wait for both.
+    latched = saved_state.latched_key(group, "latch")
+    wait_for(
+        lambda: rdb.exists(saved_state.policies_key(group)) and rdb.exists(latched),
+        "the policies and latches to be re-saved",
+    )
     saved = json.loads(rdb.get(saved_state.policies_key(group)))
     assert [p["name"] for p in saved] == ["latch"]
-    assert rdb.zrange(saved_state.latched_key(group, "latch"), 0, -1) == ["conv-9"]
+    assert rdb.zrange(latched, 0, -1) == ["conv-9"]
 
 
 def test_an_admin_change_while_redis_is_down_fails_and_changes_nothing(server, started):
