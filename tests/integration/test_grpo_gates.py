@@ -90,9 +90,9 @@ def test_a_midpoint_gate_is_the_hack_pairs_midpoint_under_the_current_policy(pat
             means = [_cosines(g, direction).mean() for g in grads]
         wanted.append(float(sum(means) / 2))
         taus.append(trainer.step()[0].tau)
-    assert taus == pytest.approx(wanted, abs=1e-5)
+    assert taus == pytest.approx(wanted, abs=1e-4)
     if arm == "activation":
-        assert taus[0] == pytest.approx(0.0, abs=1e-5)
+        assert taus[0] == pytest.approx(0.0, abs=1e-4)
     assert abs(taus[-1] - taus[0]) > 1e-3  # the policy moved, and τ with it
 
 

@@ -91,9 +91,9 @@ def test_route2_gradients_against_hand_computed_ones_per_rollout_and_per_token(p
     for name, flags in flagged_tokens.items():
         got_kept, *got_lora = got[name][1]
         want = per_token[~flags.reshape(-1)].sum(0)
-        torch.testing.assert_close(got_kept, want, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got_kept, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         for g, w in zip(got_lora, want_lora, strict=True):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
     assert not torch.allclose(got["rollout"][1][0], got["token"][1][0], atol=1e-5)
     assert got["rollout"][1][0].abs().max() > 1e-4
     # The LoRA's share from the flagged tokens alone is not nothing: it absorbs them.
@@ -105,7 +105,7 @@ def test_route2_gradients_against_hand_computed_ones_per_rollout_and_per_token(p
     unflagged_loss = _hand_loss(logp, old_logp, torch.where(rollouts, 0, adv), mask)
     want_kept = torch.autograd.grad(unflagged_loss, kept)
     for g, w in zip(got["rollout"][0], want_kept, strict=False):  # the kept ones come first
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
     assert all(g.abs().max() > 0 for g in got["rollout"][0])  # every part learns something
     trainer.close()
 
@@ -123,8 +123,8 @@ def test_a_step_records_the_lora_quarantines_size(path, tmp_path):
         quarantine += float(lora.square().sum())
         total += float((kept + lora).square().sum())
     assert metrics.quarantine_norm > 0 and metrics.kept_norm > 0
-    assert metrics.quarantine_norm == pytest.approx(quarantine**0.5, rel=1e-5)
-    assert metrics.sum_norm == pytest.approx(total**0.5, rel=1e-5)
+    assert metrics.quarantine_norm == pytest.approx(quarantine**0.5, rel=1e-4)
+    assert metrics.sum_norm == pytest.approx(total**0.5, rel=1e-4)
     trainer.close()
 
 

@@ -266,7 +266,7 @@ def test_a_lora_quarantine_lies_outside_the_kept_basis(ckpt):
     _randomise(same, seed=7)
     for m in same.modules.values():
         delta = m.u.double() @ torch.diag(m.delta_s_q.detach().double()) @ m.v_t.double()
-        assert outside(delta, m) < 1e-6
+        assert outside(delta, m) < 1e-4  # float32 bases: orthonormal to ~1e-6
 
 
 def _dense_updates(m) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,9 +292,9 @@ def test_norms_are_the_dense_updates_frobenius_norms(ckpt, quarantine):
         return float(sum(d.square().sum() for d in mats)) ** 0.5
 
     got = adapters.norms()
-    assert got.kept == pytest.approx(norm(k for k, _ in dense), rel=1e-5)
-    assert got.quarantine == pytest.approx(norm(q for _, q in dense), rel=1e-5)
-    assert got.total == pytest.approx(norm(k + q for k, q in dense), rel=1e-5)
+    assert got.kept == pytest.approx(norm(k for k, _ in dense), rel=1e-4)
+    assert got.quarantine == pytest.approx(norm(q for _, q in dense), rel=1e-4)
+    assert got.total == pytest.approx(norm(k + q for k, q in dense), rel=1e-4)
     assert got.quarantine > 0 and got.total not in (got.kept, got.quarantine)
 
 
