@@ -151,9 +151,15 @@ def symmetric_all_reduce(group: Any, device: torch.device) -> SymmetricAllReduce
         log.warning("symmetric-memory all-reduce unavailable (%s): NCCL does all of them", exc)
         fast = None
     # Every rank of the group must take the same path, or their all-reduces never meet.
-    everywhere = torch.tensor([fast is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    return fast if everywhere.item() else None
+    return fast if on_every_rank(fast is not None, group, device) else None
+
+
+def on_every_rank(ok: bool, group: Any, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank of `group`: how ranks agree on a collective's path
+    (one that takes another path alone would wait for its peers forever)."""
+    flag = torch.tensor([ok], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 SINGLE_PROCESS = ParallelContext()

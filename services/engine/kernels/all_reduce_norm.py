@@ -25,7 +25,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 try:
     import triton
@@ -34,6 +33,7 @@ except ImportError:  # CPU-only installs: nothing here runs without CUDA
     triton = None
 
 from services.engine.kernels.norm_rope import rms_norm_reference
+from services.engine.parallel import on_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -187,17 +187,13 @@ def fused_all_reduce_norm(group: Any, device: torch.device) -> FusedAllReduceNor
     rank (then every rank keeps the all-reduce and the norm apart; logged). Checked once
     against `all_reduce_add_norm_reference` on a probe."""
 
-    def everywhere(ok: bool) -> bool:  # every rank must take the same path
-        flag = torch.tensor([ok], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return bool(flag.item())
-
     fused: FusedAllReduceNorm | None = None
     try:
         fused = FusedAllReduceNorm(group, device, 4 << 20)
     except Exception as exc:  # no symmetric memory, no peer access, small signal pads
         log.warning("fused all-reduce + norm unavailable (%s): kept apart", exc)
-    if not everywhere(fused is not None):  # a probe launched by some ranks only would hang
+    # A probe launched by some ranks only would hang the others at its barrier.
+    if not on_every_rank(fused is not None, group, device):
         return None
     assert fused is not None
     try:
@@ -212,4 +208,4 @@ def fused_all_reduce_norm(group: Any, device: torch.device) -> FusedAllReduceNor
     except Exception as exc:  # the kernel failed to compile or launch
         log.warning("fused all-reduce + norm unavailable (%s): kept apart", exc)
         ok = False
-    return fused if everywhere(ok) else None
+    return fused if on_every_rank(ok, group, device) else None
