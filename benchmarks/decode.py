@@ -221,10 +221,14 @@ def bench_coxswain(engine: LLMEngine, prompts, steps, profile: Path | None = Non
         engine.step()
     sync(engine.device)
     t = time.perf_counter()
+    # Tokens accepted, not calls times batch: with pipeline microbatches a call advances a
+    # part of the batch (an overlapped call accepts the step the call before launched).
+    before = engine.num_generated_tokens
     for _ in range(steps):
         engine.step()
     sync(engine.device)
     seconds = time.perf_counter() - t
+    tokens = engine.num_generated_tokens - before
     if profile is not None:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
@@ -244,7 +248,7 @@ def bench_coxswain(engine: LLMEngine, prompts, steps, profile: Path | None = Non
     for rid in rids:
         engine.abort(rid)
     engine.step()  # drain the step still in flight
-    return len(prompts) * steps / seconds
+    return tokens / seconds
 
 
 def bench_replica(
@@ -276,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--parallel",
         help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2); a "
-        "trailing f (2x1f) turns on EngineConfig.fused_all_reduce_norm for that one",
+        "trailing f (2x1f) turns on EngineConfig.fused_all_reduce_norm for that one, a "
+        "trailing m (1x2m) EngineConfig.pipeline_microbatches=2",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
@@ -357,17 +362,17 @@ def main(argv: list[str] | None = None) -> None:
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    shapes = [(args.tp, args.pp, False)]
-    if args.parallel:  # "2x1", or "2x1f": with EngineConfig.fused_all_reduce_norm
-        shapes = [
-            (*(int(n) for n in spec.rstrip("f").split("x")), spec.endswith("f"))
-            for spec in args.parallel.split(",")
-        ]
+    shapes = [(args.tp, args.pp, "")]
+    if args.parallel:  # "2x1"; "2x1f": fused_all_reduce_norm; "1x2m": pipeline_microbatches
+        shapes = []
+        for spec in args.parallel.split(","):
+            dims = spec.rstrip("fm")
+            shapes.append((*(int(n) for n in dims.split("x")), spec[len(dims) :]))
     replicas = []
-    for tp, pp, fused in shapes:
+    for tp, pp, flags in shapes:
         if tp * pp == 1:
             continue
-        name = f"tp{tp}pp{pp}" + ("f" if fused else "")  # ranks are processes of their own
+        name = f"tp{tp}pp{pp}{flags}"  # ranks are processes of their own
         systems.append(name)
         replicas.append(name)
         t = time.perf_counter()
@@ -381,7 +386,11 @@ def main(argv: list[str] | None = None) -> None:
                 args.steps,
                 args.profile and args.profile / name,
             ),
-            engine_config=dataclasses.replace(engine_config, fused_all_reduce_norm=fused),
+            engine_config=dataclasses.replace(
+                engine_config,
+                fused_all_reduce_norm="f" in flags,
+                pipeline_microbatches=2 if "m" in flags else 1,
+            ),
             device_type=device.type,
         )
         print(f"{name} replica measured in {time.perf_counter() - t:.1f} s")

@@ -226,6 +226,30 @@ def overlapped(engine) -> dict:
     return {"tokens": tokens, "overlapped": all(overlapping), "steps": engine.num_steps}
 
 
+def microbatched(engine) -> dict:
+    """Five plain requests (greedy and seeded sampling, top-3 logprobs) in one batch: their
+    tokens and logprobs, and the requests of each overlapped step once every prefill is
+    done (with `pipeline_microbatches`, disjoint parts of the batch in turn)."""
+    prompts = ["the quick brown fox", "once upon a time", "1 2 3 4", "a b c", "we went"]
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10, logprobs=3, ignore_eos=True
+        )
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[dict]] = {}
+    steps: list[list[str]] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            for sample in delta.samples:
+                tokens.setdefault(delta.request_id, []).extend(sample.token_ids)
+                logprobs.setdefault(delta.request_id, []).extend(sample.logprobs or [])
+        in_flight = engine._in_flight
+        if in_flight is not None and all(len(t) for t in tokens.values()) and len(tokens) == 5:
+            steps.append(sorted(s.seq.group.request_id for s in in_flight[0].scheduled))
+    return {"tokens": tokens, "logprobs": logprobs, "steps": steps}
+
+
 def plain_decode(engine) -> dict:
     """Requests that intervene nowhere, in one batch (every step on the plain path, whose
     TP all-reduces `EngineConfig.fused_all_reduce_norm` fuses): their tokens and logprobs,

@@ -87,6 +87,12 @@ class EngineConfig:
     # and norm after them, one kernel over symmetric memory (kernels/all_reduce_norm.py).
     # Off by default until it has run on GPUs; unavailable, it is logged and kept apart.
     fused_all_reduce_norm: bool = False
+    # Pipeline-parallel replicas: overlapped decode steps take turns over this many disjoint
+    # parts of the running batch, so each stage computes one part while the next stage
+    # computes another (1: every step carries the whole batch, stage after stage). The
+    # parts' tokens go back through the host rather than stage to stage on the device.
+    # Off by default until it has run on GPUs; on one stage it is logged and not used.
+    pipeline_microbatches: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,6 +102,7 @@ class EngineConfig:
             "steering_request_rows",
             "steering_dynamic_rows",
             "action_queue_size",
+            "pipeline_microbatches",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

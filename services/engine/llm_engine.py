@@ -152,12 +152,17 @@ class LLMEngine:
         self.interventions.model_name = str(self.model_dir)
         if sync is not None:
             sync.attach(self)
+        microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
+        if microbatches < cfg.pipeline_microbatches:
+            log.warning("pipeline_microbatches applies to pipeline stages: not used")
+        self.runner.hands_off_tokens = ctx.pp_size > 1 and microbatches == 1
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
             cfg.enable_chunked_prefill,
             admit_hook=self.interventions.try_admit,
+            microbatches=microbatches,
         )
         eos = set(self.model_config.eos_token_ids) | set(generation_eos_ids(self.model_dir))
         if self.tokenizer.eos_token_id is not None:

@@ -103,6 +103,9 @@ class ModelRunner:
             backend = TritonBackend() if device.type == "cuda" else SdpaBackend()
         self.backend = backend
         self.ctx = ctx
+        # The last stage sends each step's sampled tokens to the first on the device, for
+        # the next step's placeholders; pipeline microbatches take them from the host.
+        self.hands_off_tokens = ctx.pp_size > 1
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
@@ -472,7 +475,7 @@ class ModelRunner:
         pending = PendingStep(n, sample_rows)
         graphed = bucket is not None
         if not self.ctx.is_last_stage:  # a pipeline stage before the last samples nothing
-            if sample_rows and self.ctx.is_first_stage:
+            if sample_rows and self.ctx.is_first_stage and self.hands_off_tokens:
                 # ... but embeds the next step's tokens: the last stage sends them on the
                 # device, so the next step may be launched before they reach any host.
                 ids = self.ctx.recv_from_last_stage(len(sample_rows), self.device)
@@ -491,7 +494,7 @@ class ModelRunner:
             pending.sampled = sampled = sample(logits, meta)
             self._copy_back(pending, sampled)
             self._prev_sampled = (sampled.token_ids, {q.seq_id: j for j, q in enumerate(picked)})
-            if not self.ctx.is_first_stage:  # the first stage embeds them next step
+            if not self.ctx.is_first_stage and self.hands_off_tokens:  # embedded next step
                 self.ctx.send_to_first_stage(sampled.token_ids)
         for i, q in enumerate(reqs):
             if q.prompt_logprobs is None or hidden is None:

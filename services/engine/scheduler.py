@@ -5,6 +5,11 @@ scheduling decision is unit-testable. Running sequences go first (in admission o
 then waiting ones are admitted while the token budget, `max_num_seqs` and free KV blocks
 allow. When a running sequence needs a block and none is free, the most recently admitted
 running sequence is preempted: its blocks are freed and it is recomputed later.
+
+With `microbatches` M > 1 (pipeline stages), a step takes at most ⌈running / M⌉ running
+sequences and none whose sampled token is still in flight, so consecutive overlapped steps
+carry disjoint parts of the batch: while the last stage computes one part, the first stage
+computes the next, whose tokens reached the host a step earlier.
 """
 
 from __future__ import annotations
@@ -120,8 +125,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         admit_hook: Callable[[Sequence], bool] | None = None,
+        microbatches: int = 1,
     ):
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.bm = block_manager
+        self.microbatches = microbatches
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -142,13 +151,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, taken = 0, 0
+        cap = -(-len(self.running) // self.microbatches)  # running sequences this step
+        while i < len(self.running) and budget > 0 and taken < cap:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if seq.final_pending or n == 0:  # its last token is still on the device
+            # Its last token is still on the device (a microbatch waits for its token on
+            # the host, where the step before the last one sent it).
+            if seq.final_pending or n == 0 or (self.microbatches > 1 and seq.num_pending):
                 i += 1
                 continue
             while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:
@@ -161,9 +172,9 @@ class Scheduler:
                 break  # preempted itself: nothing later in `running` is left either
             self.bm.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
-            scheduled_ids.add(seq.seq_id)
             budget -= n
             i += 1
+            taken += 1
 
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.max_num_seqs:

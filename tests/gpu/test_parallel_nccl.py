@@ -5,6 +5,7 @@ Float32, so the only difference is the all-reduce's summation order."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -117,3 +118,21 @@ def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, dtyp
             assert gt == wt
             for a, b in zip(glp, wlp, strict=True):
                 assert all(math.isclose(a[k], b[k], abs_tol=tol) for k in b)
+
+
+def test_pipeline_microbatches_decode_like_one_gpu(checkpoint):
+    """`pipeline_microbatches=2` on two GPUs: overlapped decode steps carry disjoint halves
+    of the batch in turn, with one GPU's tokens and logprobs."""
+    want = parallel_workload.microbatched(LLMEngine(checkpoint, CONFIG))
+    config = dataclasses.replace(CONFIG, pipeline_microbatches=2)
+    got = launch_local(
+        str(checkpoint), 1, 2, parallel_workload.microbatched, engine_config=config,
+        device_type="cuda", timeout_s=240,
+    )  # fmt: skip
+    assert got["tokens"] == want["tokens"]
+    for rid, lps in want["logprobs"].items():
+        for a, b in zip(got["logprobs"][rid], lps, strict=True):
+            assert all(math.isclose(a[k], b[k], abs_tol=1e-3) for k in b)
+    halves = got["steps"]
+    assert len(halves) >= 4 and all(len(s) <= 3 for s in halves)
+    assert all(not set(a) & set(b) for a, b in itertools.pairwise(halves))

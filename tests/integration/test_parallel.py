@@ -5,6 +5,8 @@ quarantine) all active in one batch."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -116,6 +118,24 @@ def test_a_parallel_replica_overlaps_steps_like_one_process(checkpoint, tp, pp):
     got = launch_local(str(checkpoint), tp, pp, parallel_workload.overlapped, engine_config=CONFIG)
     assert want["overlapped"] and got["overlapped"]
     assert got == want
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_microbatches_take_turns_and_decode_like_one_process(checkpoint, tp):
+    """`pipeline_microbatches=2` on two stages: overlapped decode steps carry disjoint
+    halves of the batch in turn (the tokens of each reach the first stage through the host,
+    not stage to stage), and every request gets one process's tokens and logprobs."""
+    want = parallel_workload.microbatched(LLMEngine(checkpoint, CONFIG))
+    config = dataclasses.replace(CONFIG, pipeline_microbatches=2)
+    got = launch_local(str(checkpoint), tp, 2, parallel_workload.microbatched, engine_config=config)
+    assert got["tokens"] == want["tokens"]
+    for rid, lps in want["logprobs"].items():
+        _close_dicts(got["logprobs"][rid], lps)
+    assert all(len(s) == 5 for s in want["steps"])  # one process: the whole batch each step
+    halves = got["steps"]
+    assert len(halves) >= 4 and all(len(s) <= 3 for s in halves)
+    for a, b in itertools.pairwise(halves):
+        assert not set(a) & set(b), (a, b)
 
 
 def test_a_rank_that_dies_before_the_driver_reports_fails_the_launch_at_once(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.engine.kv.block_manager import BlockManager
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import RequestGroup, SeqStatus
+from services.engine.sequence import PLACEHOLDER, RequestGroup, SeqStatus
 
 
 def _group(rid: str, n_tokens: int, **params) -> RequestGroup:
@@ -126,3 +126,46 @@ def test_admit_hook_makes_the_queue_wait_in_order():
     assert [s.group.request_id for s in sched.waiting] == ["b", "c"]
     allowed |= {"b", "c"}
     assert [s.seq.group.request_id for s in _step(sched).scheduled] == ["a", "b", "c"]
+
+
+def _launch(sched: Scheduler):
+    """Schedule and launch an overlapped step: each sampling sequence holds a placeholder
+    for the token still on the device."""
+    out = sched.schedule()
+    sched.advance(out)
+    for s in out.scheduled:
+        if s.seq.num_computed == s.seq.num_tokens:
+            s.seq.token_ids.append(PLACEHOLDER)
+            s.seq.num_pending += 1
+    return out
+
+
+def _accept(out, sampled: int = 7) -> None:
+    for s in out.scheduled:
+        if s.seq.num_pending:
+            s.seq.token_ids[-1] = sampled
+            s.seq.num_pending -= 1
+
+
+def test_microbatches_split_overlapped_decodes_into_disjoint_parts():
+    """Two microbatches: steps alternate between halves of the running batch, each taking
+    only sequences whose last token reached the host; one microbatch takes them all."""
+    for microbatches, want in ((2, [set("abc"), set("de")] * 3), (1, None)):
+        sched = Scheduler(
+            BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=100,
+            microbatches=microbatches,
+        )  # fmt: skip
+        for rid in "abcde":
+            sched.add(_group(rid, 3))
+        _accept(_launch(sched))  # the prefills
+        got, previous = [], None
+        for _ in range(6):
+            out = _launch(sched)  # launched before the previous step's tokens are accepted
+            if previous is not None:
+                _accept(previous)
+            previous = out
+            got.append({s.seq.group.request_id for s in out.scheduled})
+        if want is None:  # every sequence waits for its placeholder: all of them each step
+            assert got == [set("abcde")] * 6
+        else:
+            assert got == want
