@@ -205,14 +205,36 @@ def bench_hf(model, prompts, steps, device) -> float:
     return len(prompts) * steps / max(1e-9, timed(steps + 1) - timed(1))
 
 
-def bench_coxswain(engine: LLMEngine, prompts, steps, profile: Path | None = None) -> float:
+def intervened(hidden: int, layers: int, index: int) -> dict:
+    """What `--interventions` adds to request `index`: its own random unit vector (scale
+    4) after every layer, prompt and generation alike, and the block output of every layer
+    captured at each generated token (float32, the default)."""
+    v = torch.randn(hidden, generator=torch.Generator().manual_seed(index))
+    vector = (4.0 * v / v.norm()).tolist()
+    site = {"site": "post_block", "layers": list(range(layers)), "vector": vector}
+    return {
+        "steering": {"vectors": [{**site, "phase": "both"}]},
+        "capture": {"sites": {"post_block": "all"}, "positions": "all_generated"},
+    }
+
+
+def bench_coxswain(
+    engine: LLMEngine,
+    prompts,
+    steps,
+    profile: Path | None = None,
+    interventions: bool = False,
+) -> float:
     """Decode tok/s of `prompts` after every prefill; with `profile`, also a torch.profiler
     table of 8 more steps (device kernels by total time, and the host's calls) written
     there, e.g. a TP driver's all-reduce kernels waiting for the other rank, and beside it
-    their Chrome trace (`*.trace.json`: gaps between graph replays are host time)."""
-    params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
-    rids = [f"b{len(prompts)}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(rids, prompts, strict=True):
+    their Chrome trace (`*.trace.json`: gaps between graph replays are host time). With
+    `interventions`, every request steers and captures (`intervened`)."""
+    cfg = engine.model_config
+    rids = [f"b{len(prompts)}-{i}{'-iv' if interventions else ''}" for i in range(len(prompts))]
+    for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
+        extra = intervened(cfg.hidden_size, cfg.num_layers, i) if interventions else {}
+        params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True, **extra)
         engine.add_request(rid, p, params)
     groups = [engine.requests[r] for r in rids]
     while any(g.seqs[0].num_generated == 0 for g in groups):  # every prefill done
@@ -252,13 +274,20 @@ def bench_coxswain(engine: LLMEngine, prompts, steps, profile: Path | None = Non
 
 
 def bench_replica(
-    prompts: dict[int, list[list[int]]], steps: int, profile: Path | None, engine: LLMEngine
+    prompts: dict[int, list[list[int]]],
+    steps: int,
+    profile: Path | None,
+    interventions: bool,
+    engine: LLMEngine,
 ) -> dict:
-    """`bench_coxswain` at each batch size, on the driver rank of a parallel replica."""
-    return {
-        b: bench_coxswain(engine, p, steps, profile and profile / f"driver-batch{b}.txt")
-        for b, p in prompts.items()
-    }
+    """`bench_coxswain` at each batch size, on the driver rank of a parallel replica: plain,
+    and with `interventions` intervened too (keys `(batch, True)`)."""
+    out: dict = {}
+    for b, p in prompts.items():
+        out[b] = bench_coxswain(engine, p, steps, profile and profile / f"driver-batch{b}.txt")
+        if interventions:
+            out[b, True] = bench_coxswain(engine, p, steps, interventions=True)
+    return out
 
 
 # -- main --------------------------------------------------------------------------------
@@ -282,6 +311,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2); a "
         "trailing f (2x1f) turns on EngineConfig.fused_all_reduce_norm for that one, a "
         "trailing m (1x2m) EngineConfig.pipeline_microbatches=2",
+    )
+    p.add_argument(
+        "--interventions",
+        action="store_true",
+        help="also time Coxswain (and each replica) with every request steering every layer "
+        "and capturing every layer's block output at each generated token (rows +iv)",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
@@ -359,6 +394,10 @@ def main(argv: list[str] | None = None) -> None:
         for b in batches:
             profile = args.profile and args.profile / "one-process" / f"batch{b}.txt"
             results["coxswain"][b] = bench_coxswain(engine, prompts[b], args.steps, profile)
+            if args.interventions:
+                results.setdefault("coxswain+iv", {})[b] = bench_coxswain(
+                    engine, prompts[b], args.steps, interventions=True
+                )
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -385,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
                 {b: prompts[b] for b in batches},
                 args.steps,
                 args.profile and args.profile / name,
+                args.interventions,
             ),
             engine_config=dataclasses.replace(
                 engine_config,
@@ -393,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
             ),
             device_type=device.type,
         )
+        if args.interventions:  # the intervened runs as a row of their own
+            results[name + "+iv"] = {b: results[name].pop((b, True)) for b in batches}
         print(f"{name} replica measured in {time.perf_counter() - t:.1f} s")
         # each GPU reads its 1/tp share of a stage's weights and KV (stages run in turn)
         share = {b: tp * roof[b] for b in batches}
@@ -401,7 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     ceiling = results.get("ceiling", {})
     print(f"\ndecode at context {args.context}, {args.steps} steps; ratio = tok/s ÷ ceiling")
     print(f"{'system':<10}" + "".join(f"{'batch ' + str(b):>26}" for b in batches))
-    rows = [("roofline", roof)] + [(s, results[s]) for s in systems]
+    names = [n for s in systems for n in (s, s + "+iv") if n in results]
+    rows = [("roofline", roof)] + [(n, results[n]) for n in names]
     for name, row in rows:
         cells = []
         for b in batches:
@@ -418,6 +461,10 @@ def main(argv: list[str] | None = None) -> None:
         if one and many:
             ratios = ", ".join(f"batch {b} {many[b] / one[b]:.2f}×" for b in batches)
             print(f"{name} ÷ one process: {ratios}")
+    for name in [n for n in names if n.endswith("+iv")]:
+        plain = results[name.removesuffix("+iv")]
+        ratios = ", ".join(f"batch {b} {results[name][b] / plain[b]:.0%}" for b in batches)
+        print(f"{name} ÷ {name.removesuffix('+iv')}: {ratios}")
     if args.json:
         args.json.write_text(json.dumps({"roofline": roof, **results}, indent=1))
 
