@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidRequestError
-from services.trainer.study_stats import compare_arms, holm, mean_interval, paired_permutation_p
+from services.trainer.study_stats import (
+    compare_arms,
+    holm,
+    mean_interval,
+    paired_permutation_p,
+    preregistered_outcome,
+)
 
 
 def test_the_interval_is_students_t_around_the_mean():
@@ -108,3 +114,31 @@ def test_each_arm_is_also_compared_with_its_rate_matched_placebo():
     by_arm = {"none": _runs(0.9, 0.8), "route": _runs(0.1, 0.2), "route~placebo": _runs(0.5, 0.4)}
     pairs = [(c.arm, c.against) for c in compare_arms(by_arm)]
     assert pairs == [("route", "none"), ("route~placebo", "none"), ("route", "route~placebo")]
+
+
+def test_the_preregistered_outcome_compares_designs_with_their_placebos_alone():
+    """Each design against its own placebo on hack among well-formed answers, Holm over the
+    designs only; a success needs fewer hacks, the base's skill less 0.02 and well-formed
+    answers, so a broken policy with few hacks is no success."""
+    runs = [(b, s) for b in range(2) for s in range(4)]
+
+    def arm(value: float, jitter: float = 0.0) -> dict:
+        return {k: value + jitter * i for i, k in enumerate(runs)}
+
+    hack = {
+        "good": arm(0.05), "good~placebo": arm(0.6, 0.01),
+        "broken": arm(0.0), "broken~placebo": arm(0.6, 0.01),
+        "same": arm(0.5, 0.01), "same~placebo": arm(0.5, -0.01),
+    }  # fmt: skip
+    true_pass = {"base": arm(0.30), "good": arm(0.29), "broken": arm(0.02), "same": arm(0.3)}
+    formed = {"good": arm(0.99), "broken": arm(0.40), "same": arm(0.99)}
+    placebos = {d: f"{d}~placebo" for d in ("good", "broken", "same", "never-run")}
+    got = {v.comparison.arm: v for v in preregistered_outcome(hack, true_pass, formed, placebos)}
+    assert set(got) == {"good", "broken", "same"}  # a design with no runs is left out
+    assert got["good"].success and got["good"].comparison.difference == pytest.approx(-0.585)
+    # exact sign-flip p of 8 identical-sign pairs is 2 / 2^8; Holm multiplies the smallest by 3
+    assert got["good"].comparison.p == pytest.approx(2 / 256)
+    assert got["good"].comparison.p_holm == pytest.approx(3 * 2 / 256)
+    assert not got["broken"].success and not got["broken"].keeps_skill
+    assert not got["broken"].well_formed_ok and got["broken"].comparison.p_holm < 0.05
+    assert not got["same"].success and got["same"].keeps_skill
