@@ -138,6 +138,14 @@ def test_pipeline_microbatches_take_turns_and_decode_like_one_process(checkpoint
         assert not set(a) & set(b), (a, b)
 
 
+def test_pipeline_microbatches_on_one_stage_are_logged_and_not_used(checkpoint, caplog):
+    config = dataclasses.replace(CONFIG, pipeline_microbatches=2)
+    with caplog.at_level("WARNING", logger="services.engine.llm_engine"):
+        got = parallel_workload.microbatched(LLMEngine(checkpoint, config))
+    assert "pipeline_microbatches applies to pipeline stages: not used" in caplog.text
+    assert got["steps"] and all(len(s) == 5 for s in got["steps"])
+
+
 def test_a_rank_that_dies_before_the_driver_reports_fails_the_launch_at_once(tmp_path):
     """No checkpoint: every rank dies building its engine. The launch says so as soon as a
     rank has exited, rather than waiting out its timeout for a result that cannot come."""
