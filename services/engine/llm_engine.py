@@ -152,17 +152,16 @@ class LLMEngine:
         self.interventions.model_name = str(self.model_dir)
         if sync is not None:
             sync.attach(self)
-        microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
-        if microbatches < cfg.pipeline_microbatches:
+        self.microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
+        if self.microbatches < cfg.pipeline_microbatches:
             log.warning("pipeline_microbatches applies to pipeline stages: not used")
-        self.runner.hands_off_tokens = ctx.pp_size > 1 and microbatches == 1
+        self.runner.hands_off_tokens = ctx.pp_size > 1 and self.microbatches == 1
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
             cfg.enable_chunked_prefill,
             admit_hook=self.interventions.try_admit,
-            microbatches=microbatches,
         )
         eos = set(self.model_config.eos_token_ids) | set(generation_eos_ids(self.model_dir))
         if self.tokenizer.eos_token_id is not None:
@@ -397,7 +396,7 @@ class LLMEngine:
         outputs: list[RequestDelta] = []
         if not overlap:
             outputs += self._drain()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.microbatches if overlap else 1)
         if sched.is_empty:
             return outputs + self._drain()
         plan = self.interventions.plan_step(sched)

@@ -6,10 +6,10 @@ then waiting ones are admitted while the token budget, `max_num_seqs` and free K
 allow. When a running sequence needs a block and none is free, the most recently admitted
 running sequence is preempted: its blocks are freed and it is recomputed later.
 
-With `microbatches` M > 1 (pipeline stages), a step takes at most ⌈running / M⌉ running
-sequences and none whose sampled token is still in flight, so consecutive overlapped steps
-carry disjoint parts of the batch: while the last stage computes one part, the first stage
-computes the next, whose tokens reached the host a step earlier.
+Scheduled in `parts` M > 1 (overlapped steps of pipeline stages), a step takes at most
+⌈running / M⌉ running sequences and none whose sampled token is still in flight, so
+consecutive steps carry disjoint parts of the batch: while the last stage computes one
+part, the first stage computes the next, whose tokens reached the host a step earlier.
 """
 
 from __future__ import annotations
@@ -125,12 +125,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         admit_hook: Callable[[Sequence], bool] | None = None,
-        microbatches: int = 1,
     ):
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.bm = block_manager
-        self.microbatches = microbatches
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -148,18 +144,19 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, parts: int = 1) -> SchedulerOutput:
+        """This step's sequences; `parts` > 1: one part of the batch (module docstring)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
         i, taken = 0, 0
-        cap = -(-len(self.running) // self.microbatches)  # running sequences this step
+        cap = -(-len(self.running) // parts)  # running sequences this step
         while i < len(self.running) and budget > 0 and taken < cap:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             # Its last token is still on the device (a microbatch waits for its token on
             # the host, where the step before the last one sent it).
-            if seq.final_pending or n == 0 or (self.microbatches > 1 and seq.num_pending):
+            if seq.final_pending or n == 0 or (parts > 1 and seq.num_pending):
                 i += 1
                 continue
             while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:

@@ -128,10 +128,10 @@ def test_admit_hook_makes_the_queue_wait_in_order():
     assert [s.seq.group.request_id for s in _step(sched).scheduled] == ["a", "b", "c"]
 
 
-def _launch(sched: Scheduler):
+def _launch(sched: Scheduler, parts: int = 1):
     """Schedule and launch an overlapped step: each sampling sequence holds a placeholder
     for the token still on the device."""
-    out = sched.schedule()
+    out = sched.schedule(parts)
     sched.advance(out)
     for s in out.scheduled:
         if s.seq.num_computed == s.seq.num_tokens:
@@ -151,16 +151,13 @@ def test_microbatches_split_overlapped_decodes_into_disjoint_parts():
     """Two microbatches: steps alternate between halves of the running batch, each taking
     only sequences whose last token reached the host; one microbatch takes them all."""
     for microbatches, want in ((2, [set("abc"), set("de")] * 3), (1, None)):
-        sched = Scheduler(
-            BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=100,
-            microbatches=microbatches,
-        )  # fmt: skip
+        sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=100)
         for rid in "abcde":
             sched.add(_group(rid, 3))
-        _accept(_launch(sched))  # the prefills
+        _accept(_launch(sched, microbatches))  # the prefills
         got, previous = [], None
         for _ in range(6):
-            out = _launch(sched)  # launched before the previous step's tokens are accepted
+            out = _launch(sched, microbatches)  # before the previous step's tokens are in
             if previous is not None:
                 _accept(previous)
             previous = out
