@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -35,6 +36,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             api_keys_file=args.api_keys_file,
             num_cpus=args.num_cpus,
             new_keys=args.new_keys,
+            engine=engine_settings(args.engine),
         )
     )
     print(f"coxswain is up: model {info['model']}")
@@ -48,6 +50,25 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"    {scope:6s} {key}")
     print("stop it with: coxswain down")
     return 0
+
+
+def engine_settings(pairs: list[str]) -> dict[str, Any]:
+    """`--engine FIELD=VALUE` flags as a dict, each value read as YAML (`256`, `true`,
+    `[post_block, pre_attn]`); `up` checks them against EngineConfig."""
+    import yaml
+
+    from services.common.errors import InvalidRequestError
+
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise InvalidRequestError(f"--engine {pair!r}: expected FIELD=VALUE")
+        try:
+            settings[name.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise InvalidRequestError(f"--engine {pair!r}: the value is not YAML ({e})") from None
+    return settings
 
 
 def _bind_text(host: str) -> str:

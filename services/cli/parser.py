@@ -225,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument(
         "--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all)"
     )
+    upp.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an EngineConfig field for every engine replica (repeatable; the value is read as "
+        "YAML), e.g. --engine max_num_seqs=256 --engine graph_steering_sites=[post_block]",
+    )
     upp.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop what `coxswain up` started").set_defaults(func=cmd_down)
     st = sub.add_parser("status", help="what `coxswain up` started, and whether it answers")

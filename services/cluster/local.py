@@ -25,6 +25,8 @@ import logging
 import os
 import secrets
 import time
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,46 @@ class UpOptions:
     num_cpus: int | None = None
     patch_store_budget_gb: float = 1.0
     new_keys: bool = False
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # more EngineConfig fields
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a setting read from YAML fits an EngineConfig field's annotation (a list for
+    a tuple, an int for a float; a bool is no int)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        base = typing.get_origin(option) or option
+        if option is type(None) and value is None:
+            return True
+        if base is tuple and isinstance(value, list | tuple):
+            return True
+        if base is float and type(value) in (int, float):
+            return True
+        if base in (int, str, bool) and type(value) is base:
+            return True
+    return False
+
+
+def check_engine_settings(engine: dict[str, Any]) -> None:
+    """Refuse `--engine` settings no engine replica could take, before anything starts: a
+    field EngineConfig lacks, one `up` sets from its own flag, or a value the config
+    rejects."""
+    from services.engine.config import EngineConfig
+
+    own = {"device": "--device", "dtype": "--dtype"}
+    hints = typing.get_type_hints(EngineConfig)
+    for name, value in engine.items():
+        if name in own:
+            raise InvalidRequestError(f"--engine {name}: set it with {own[name]}")
+        if name not in hints:
+            known = ", ".join(sorted(hints.keys() - own.keys()))
+            raise InvalidRequestError(f"--engine {name}: EngineConfig has no such field ({known})")
+        if not _has_type(value, hints[name]):
+            raise InvalidRequestError(f"--engine {name}={value!r}: expected {hints[name]}")
+    try:
+        EngineConfig(**engine)
+    except (TypeError, ValueError) as e:  # InvalidRequestError is a ValueError
+        raise InvalidRequestError(f"--engine: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -174,6 +216,7 @@ def up(opts: UpOptions) -> dict[str, Any]:
     """Start the local cluster; returns what `coxswain up` prints (URLs, keys)."""
     if opts.tp < 1 or opts.pp < 1 or opts.replicas < 1:
         raise InvalidRequestError("--tp, --pp and --replicas must be >= 1")
+    check_engine_settings(opts.engine)
     gpus = 0 if opts.device == "cpu" else visible_gpus()
     opts = dataclasses.replace(opts, device=resolve_device(opts, gpus))
     if opts.model != "tiny":
@@ -255,6 +298,7 @@ def _start(opts: UpOptions, directory: Path, state: dict[str, Any]) -> dict[str,
             # one event loop renders about 10k tokens/s: two per engine replica
             "http_workers": max(2, 2 * opts.replicas),
             "num_gpus_per_rank": 1 if opts.device == "cuda" else 0,
+            "engine": opts.engine,
         }
         app = build_app(args)  # the first engine replica starts the store and controller
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

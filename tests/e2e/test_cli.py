@@ -193,6 +193,22 @@ def test_a_missing_model_is_worded_the_same_by_every_command(tmp_path):
     )
 
 
+def test_up_refuses_engine_settings_no_replica_could_take_before_starting(tmp_path):
+    env = _home_env(tmp_path)
+    for flag, said in (
+        ("bogus=1", "--engine bogus: EngineConfig has no such field (action_queue_size, "),
+        ("max_num_seqs=lots", "--engine max_num_seqs='lots': expected int | None"),
+        ("max_num_seqs=0", "--engine: max_num_seqs must be >= 1, got 0"),
+        ("dtype=float32", "--engine dtype: set it with --dtype"),
+        ("max_num_seqs", "--engine 'max_num_seqs': expected FIELD=VALUE"),
+    ):
+        r = _coxswain("up", "--tiny", "--device", "cpu", "--engine", flag, env=env)
+        assert r.returncode == 2, r.stdout + r.stderr
+        (line,) = r.stderr.splitlines()
+        assert line.startswith("coxswain: error: " + said), line
+        assert not (tmp_path / "cluster" / "state.json").exists()  # nothing started
+
+
 def test_the_cli_runs_from_an_uninstalled_tree(monkeypatch):
     """Offline GPU hosts run the tree from PYTHONPATH, with no package metadata: the CLI
     must still build (its --version then comes from pyproject.toml)."""
@@ -356,7 +372,8 @@ def test_up_status_down(tmp_path, other_ray_head):
     env = _home_env(home)
     ports = [str(free_port()) for _ in range(3)]
     up_args = ["up", "--tiny", "--device", "cpu", "--num-cpus", "2", "--port", ports[0],
-               "--grpc-port", ports[1], "--controller-grpc-port", ports[2]]  # fmt: skip
+               "--grpc-port", ports[1], "--controller-grpc-port", ports[2],
+               "--engine", "max_num_seqs=24"]  # fmt: skip
     token = _ray_token_file()
     if token.is_file():
         token.chmod(0o644)  # as an older Ray left it
@@ -426,6 +443,8 @@ def test_up_status_down(tmp_path, other_ray_head):
         body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
         done = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+        stats = httpx.get(base + "/v1/stats", headers=headers, timeout=30).json()
+        assert stats["config"]["max_num_seqs"] == 24  # --engine reached the replica
 
         # A front end that dies: the other serves on; Serve replaces the Gateway replica,
         # whose new front ends take the port again, and check the keys `up` read, though
