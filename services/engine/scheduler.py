@@ -154,8 +154,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and taken < cap:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            # Its last token is still on the device (a microbatch waits for its token on
-            # the host, where the step before the last one sent it).
+            # Its last token is still on the device; scheduled in parts, a sequence also
+            # waits until its token has reached the host.
             if seq.final_pending or n == 0 or (parts > 1 and seq.num_pending):
                 i += 1
                 continue

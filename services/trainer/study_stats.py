@@ -178,7 +178,10 @@ def preregistered_outcome(
     }
     raw = {d: paired_permutation_p(*values[d], seed=i) for i, d in enumerate(designs)}
     adjusted = holm(raw)
-    floor = float(np.mean(list(true_pass[base].values()))) - skill_margin
+    # No base runs: no design can be said to keep the skill (NaN compares false).
+    floor = (
+        np.mean(list(true_pass[base].values())) - skill_margin if true_pass.get(base) else math.nan
+    )
     verdicts = []
     for d in designs:
         skill = float(np.mean(list(true_pass[d].values())))
@@ -192,6 +195,8 @@ def preregistered_outcome(
             adjusted[d],
         )
         verdicts.append(
-            PrimaryVerdict(comparison, skill, formed, skill >= floor, formed >= well_formed_floor)
+            PrimaryVerdict(
+                comparison, skill, formed, bool(skill >= floor), formed >= well_formed_floor
+            )
         )
     return verdicts
