@@ -132,6 +132,39 @@ def test_well_formed_metrics_get_columns_and_a_comparison_of_their_own():
     assert "(4 runs)" in study.tables(mixed)  # vanilla's well-formed cells cover 4 of 5 runs
 
 
+def test_the_preregistered_outcome_judges_each_design_against_its_placebo():
+    """Designs against their placebos on hack among well-formed answers, Holm over the
+    designs: one that cuts the hack and keeps skill and form succeeds and meets the aim; a
+    broken one that hacks as little is no success; records without designs print none."""
+    runs = []
+    for b in range(2):
+        for s in range(4):
+            jitter = 0.01 * (4 * b + s)
+            runs += [
+                _record("base", b, s, 0.2, 0.30, **_formed(0.99, 0.2)),
+                _record("none", b, s, 0.9, 0.35, **_formed(1.0, 0.9)),
+                _record("erase~oracle", b, s, 0.05, 0.32, **_formed(1.0, 0.05)),
+                _record("kept-ablated", b, s, 0.1, 0.31, **_formed(0.98, 0.1)),
+                _record("kept-ablated~placebo", b, s, 0.8, 0.3, **_formed(0.99, 0.8 + jitter)),
+                _record("route2", b, s, 0.05, 0.02, **_formed(0.5, 0.05)),
+                _record("route2~placebo", b, s, 0.8, 0.3, **_formed(0.99, 0.8 + jitter)),
+            ]
+    text = study.tables(runs)
+    assert "preregistered primary outcome (README)" in text
+    # 8 pairs all one way: exact p 2/2^8; Holm over the two designs doubles it
+    assert (
+        "| kept-ablated | kept-ablated~placebo | 8 | -0.74 | 0.008 | 0.016 | 0.31 | yes | "
+        "0.98 | yes | **yes** |"
+    ) in text
+    assert (
+        "| route2 | route2~placebo | 8 | -0.79 | 0.008 | 0.016 | 0.02 | no | 0.50 | no | **no** |"
+        in text
+    )
+    assert "(0.18) and deploy true pass ≥ erase~oracle's − 0.02 (0.30): kept-ablated" in text
+    plain = [r for r in runs if r["arm"] in ("base", "none", "erase~oracle")]
+    assert "preregistered" not in study.tables(plain)
+
+
 def test_a_run_keeps_every_evaluation_rate_and_the_base_its_step_zero():
     evals = [
         {"kind": "eval", "step": s, **{k: 0.5 if "trained" in k else s / 100 for k in
