@@ -136,6 +136,7 @@ class GRPOTrainer:
             max_num_seqs=max(n, cfg.eval_prompts),
             seed=cfg.seed,
             device=cfg.device,
+            lora_rank=cfg.quarantine_rank if cfg.quarantine == "lora" else 0,
         )
         self.rollout: RolloutEngine | RayRollouts | AsyncRollouts
         if cfg.rollout_mode == "async":

@@ -80,7 +80,10 @@ class RolloutEngine:
         max_num_seqs: int,
         seed: int,
         device: str = "cpu",
+        lora_rank: int = 0,
     ):
+        """`lora_rank`: the LoRA quarantine's rank, reserved in the engine's adapter tables
+        at start (a larger LoRA's first sync would re-lay them)."""
         self.env = make_env(env, **env_args)
         self.engine = LLMEngine(
             model,
@@ -91,6 +94,7 @@ class RolloutEngine:
                 adapter_capacity=1,
                 adapter_rank=rank,
                 adapter_targets=tuple(targets),
+                adapter_lora_rank=lora_rank,
                 seed=seed,
             ),
         )

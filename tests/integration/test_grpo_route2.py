@@ -162,3 +162,18 @@ def test_route2_oracle_flags_exactly_the_labelled_hacks(path, tmp_path):
     train = [r for r in run(cfg) if r["kind"] == "train"]
     assert [r["flagged"] for r in train] == pytest.approx([r["rollout_hack_rate"] for r in train])
     assert any(0 < r["flagged"] < 1 for r in train)
+
+
+def test_the_rollout_engine_reserves_the_lora_quarantines_rank(path, tmp_path, caplog):
+    """The rollout engine is built with the quarantine's LoRA rank reserved, so syncing the
+    policy (kept part and LoRA) lays out nothing again and re-captures no graph."""
+    cfg = _config(path, tmp_path)
+    trainer = GRPOTrainer(cfg)
+    bank = trainer.rollout.engine.adapters
+    assert cfg.quarantine_rank > 0 and bank.lora_rank == cfg.quarantine_rank
+    layout = bank.layout_version
+    with caplog.at_level("WARNING", logger="services.engine.adapters"):
+        trainer.sync_weights()
+    assert bank.layout_version == layout and "re-laying" not in caplog.text
+    assert bank.loaded["policy"].lora_rank == cfg.quarantine_rank  # the LoRA did arrive
+    trainer.close()
