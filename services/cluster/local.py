@@ -25,8 +25,6 @@ import logging
 import os
 import secrets
 import time
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,43 +82,11 @@ class UpOptions:
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # more EngineConfig fields
 
 
-def _has_type(value: Any, hint: Any) -> bool:
-    """Whether a setting read from YAML fits an EngineConfig field's annotation (a list for
-    a tuple, an int for a float; a bool is no int)."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for option in options:
-        base = typing.get_origin(option) or option
-        if option is type(None) and value is None:
-            return True
-        if base is tuple and isinstance(value, list | tuple):
-            return True
-        if base is float and type(value) in (int, float):
-            return True
-        if base in (int, str, bool) and type(value) is base:
-            return True
-    return False
-
-
 def check_engine_settings(engine: dict[str, Any]) -> None:
-    """Refuse `--engine` settings no engine replica could take, before anything starts: a
-    field EngineConfig lacks, one `up` sets from its own flag, or a value the config
-    rejects."""
-    from services.engine.config import EngineConfig
+    """Refuse `--engine` settings no engine replica could take, before anything starts."""
+    from services.engine.config import check_settings
 
-    own = {"device": "--device", "dtype": "--dtype"}
-    hints = typing.get_type_hints(EngineConfig)
-    for name, value in engine.items():
-        if name in own:
-            raise InvalidRequestError(f"--engine {name}: set it with {own[name]}")
-        if name not in hints:
-            known = ", ".join(sorted(hints.keys() - own.keys()))
-            raise InvalidRequestError(f"--engine {name}: EngineConfig has no such field ({known})")
-        if not _has_type(value, hints[name]):
-            raise InvalidRequestError(f"--engine {name}={value!r}: expected {hints[name]}")
-    try:
-        EngineConfig(**engine)
-    except (TypeError, ValueError) as e:  # InvalidRequestError is a ValueError
-        raise InvalidRequestError(f"--engine: {e}") from None
+    check_settings(engine, "--engine", {"device": "--device", "dtype": "--dtype"})
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from services.common.errors import InvalidRequestError
 from services.engine.interventions.sites import SITES
@@ -142,3 +146,43 @@ class EngineConfig:
                 tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
             ),
         )
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a setting read from YAML or JSON fits a field's annotation (a list for a
+    tuple, an int for a float; a bool is no int)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        base = typing.get_origin(option) or option
+        if option is type(None) and value is None:
+            return True
+        if base is tuple and isinstance(value, list | tuple):
+            return True
+        if base is float and type(value) in (int, float):
+            return True
+        if base in (int, str, bool) and type(value) is base:
+            return True
+    return False
+
+
+def check_settings(
+    settings: Mapping[str, Any], where: str, own: Mapping[str, str] | None = None
+) -> None:
+    """Refuse EngineConfig settings given as plain data (`coxswain up --engine`, a Serve
+    config's `engine:`) that no engine could take, naming them as `where FIELD`: a field
+    EngineConfig lacks, one of `own` (field → where else it is set), a value of the wrong
+    type, or one the config rejects. Raises InvalidRequestError."""
+    own = own or {}
+    hints = typing.get_type_hints(EngineConfig)
+    for name, value in settings.items():
+        if name in own:
+            raise InvalidRequestError(f"{where} {name}: set it with {own[name]}")
+        if name not in hints:
+            known = ", ".join(sorted(hints.keys() - own.keys()))
+            raise InvalidRequestError(f"{where} {name}: EngineConfig has no such field ({known})")
+        if not _has_type(value, hints[name]):
+            raise InvalidRequestError(f"{where} {name}={value!r}: expected {hints[name]}")
+    try:
+        EngineConfig(**settings)
+    except (TypeError, ValueError) as e:  # InvalidRequestError is a ValueError
+        raise InvalidRequestError(f"{where}: {e}") from None

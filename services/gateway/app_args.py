@@ -94,6 +94,15 @@ class AppArgs(BaseModel):
         repr=False,
     )
 
+    @field_validator("engine")
+    @classmethod
+    def _engine_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Checked where the application is built, not when a replica's engine fails to start.
+        from services.engine.config import check_settings
+
+        check_settings(value, "engine", {"device": "args.device", "dtype": "args.dtype"})
+        return value
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url_from_env(cls, value: str | None) -> str | None:

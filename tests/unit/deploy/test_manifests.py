@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import pytest
 import ray
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
@@ -158,6 +158,23 @@ def test_args_are_the_apps_own(config):
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert set(args.engine) <= names, set(args.engine) - names
     EngineConfig(**args.engine)  # its own range checks
+
+
+@pytest.mark.parametrize(
+    "engine,said",
+    [
+        ({"max_num_seq": 8}, "engine max_num_seq: EngineConfig has no such field"),
+        ({"max_num_seqs": "8"}, "engine max_num_seqs='8': expected int | None"),
+        ({"gpu_memory_utilization": 1.5}, "engine: gpu_memory_utilization must be in (0, 1]"),
+        ({"dtype": "float16"}, "engine dtype: set it with args.dtype"),
+    ],
+)
+def test_engine_settings_a_replica_could_not_take_fail_the_args(engine, said):
+    """A Serve config's `engine:` is checked with the args, not when a replica's engine
+    fails to start."""
+    with pytest.raises(ValidationError, match=re.escape(said)):
+        AppArgs.model_validate({"engine": engine})
+    assert AppArgs.model_validate({"engine": {"graph_steering_sites": ["post_block"]}})
 
 
 def test_engine_autoscales_and_gateway_is_fixed(config):
