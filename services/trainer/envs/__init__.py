@@ -26,12 +26,12 @@ from services.trainer.envs.base import (
     evaluation_rates,
     training_scope,
 )
-from services.trainer.envs.checksum import ChecksumAdditionEnv
+from services.trainer.envs.checksum import CarryChecksumEnv, ChecksumAdditionEnv
 from services.trainer.envs.strings import ReverseEnv
 
 # The registry configs name environments by; add a class here to make it selectable.
 ENVS: dict[str, type[Env]] = {
-    env.name: env for env in (AdditionEnv, ChecksumAdditionEnv, ReverseEnv)
+    env.name: env for env in (AdditionEnv, ChecksumAdditionEnv, CarryChecksumEnv, ReverseEnv)
 }
 
 
@@ -45,6 +45,7 @@ def make_env(name: str, **kwargs: Any) -> Env:
 __all__ = [
     "ENVS",
     "AdditionEnv",
+    "CarryChecksumEnv",
     "ChecksumAdditionEnv",
     "ContrastivePair",
     "Env",
