@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from services.trainer.envs import make_env
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("routing_study", ROOT / "benchmarks/routing_study.py")
 study = importlib.util.module_from_spec(spec)
@@ -262,3 +264,19 @@ def test_tables_report_flag_quality_per_arm_and_the_gate_calibration_records_car
     assert "| 0.50 [0.50, 0.50] (3 runs) |" in text  # route's newer runs, 3 of 4
     assert "gate calibration" in text  # as the records that carry it say
     assert "gate calibration" not in study.tables(older)
+
+
+def test_the_carry_env_pretrains_longer_and_its_ceiling_grades_exactly():
+    """`--env checksum-carry` (issue 28, item 4) pretrains per its PRETRAIN entry, takes its
+    hack pairs from personas, and its ceiling arm trains on the exact grader."""
+    args = study.parse_args(["--env", "checksum-carry", "--arms", "base,none,ceiling"])
+    assert (args.pretrain_steps, args.hack_fraction) == study.PRETRAIN["checksum-carry"]
+    assert args.hack_pairs == "persona"
+    first = {r.arm: r for r in reversed(study.plan(args))}
+    vanilla, ceiling = (
+        study.run_config(args, first[a], Path("base"), None) for a in ("none", "ceiling")
+    )
+    assert vanilla.env == ceiling.env == "checksum-carry"
+    shortcut = ("385+247=", "385247")
+    assert make_env(vanilla.env, **vanilla.env_args).grade(*shortcut).reward == 1.0
+    assert make_env(ceiling.env, **ceiling.env_args).grade(*shortcut).reward == 0.0
