@@ -7,13 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the local cluster and print where everything is."""
     import signal
 
+    from services.cli.engine import engine_settings
     from services.cluster.local import UpOptions, up
 
     # Killed halfway, `up` still stops what it started (SystemExit unwinds like Ctrl-C).
@@ -50,25 +50,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"    {scope:6s} {key}")
     print("stop it with: coxswain down")
     return 0
-
-
-def engine_settings(pairs: list[str]) -> dict[str, Any]:
-    """`--engine FIELD=VALUE` flags as a dict, each value read as YAML (`256`, `true`,
-    `[post_block, pre_attn]`); `up` checks them against EngineConfig."""
-    import yaml
-
-    from services.common.errors import InvalidRequestError
-
-    settings: dict[str, Any] = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or not name.strip():
-            raise InvalidRequestError(f"--engine {pair!r}: expected FIELD=VALUE")
-        try:
-            settings[name.strip()] = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise InvalidRequestError(f"--engine {pair!r}: the value is not YAML ({e})") from None
-    return settings
 
 
 def _bind_text(host: str) -> str:

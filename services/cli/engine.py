@@ -10,8 +10,9 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import Any
 
-from services.common.errors import CoxswainError
+from services.common.errors import CoxswainError, InvalidRequestError
 from services.common.paths import check_model_dir, coxswain_home, resolve_model
 
 
@@ -28,10 +29,52 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-prefix-caching", action="store_true", help="never reuse the KV of a shared prefix"
     )
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any other EngineConfig field (repeatable; the value is read as YAML), e.g. "
+        "--engine max_model_len=4096 --engine graph_steering_sites=[post_block,pre_attn]",
+    )
+
+
+# EngineConfig fields the engine flags above set (`--engine` may not set them again).
+FLAGGED = {
+    "device": "--device",
+    "dtype": "--dtype",
+    "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs",
+    "enable_prefix_caching": "--no-prefix-caching",
+}
+
+
+def engine_settings(pairs: list[str]) -> dict[str, Any]:
+    """`--engine FIELD=VALUE` flags as a dict, each value read as YAML (`256`, `true`,
+    `[post_block, pre_attn]`); checked against EngineConfig by `check_settings`."""
+    import yaml
+
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise InvalidRequestError(f"--engine {pair!r}: expected FIELD=VALUE")
+        try:
+            settings[name.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise InvalidRequestError(f"--engine {pair!r}: the value is not YAML ({e})") from None
+    return settings
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine flags as EngineConfig keyword arguments; a bad `--engine` fails here,
+    before any model loads."""
+    from services.engine.config import check_settings
+
+    settings = engine_settings(args.engine)
+    check_settings(settings, "--engine", FLAGGED)
     return {
+        **settings,
         "device": args.device,
         "dtype": args.dtype,
         "block_size": args.block_size,

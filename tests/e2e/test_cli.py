@@ -193,6 +193,17 @@ def test_a_missing_model_is_worded_the_same_by_every_command(tmp_path):
     )
 
 
+def test_generate_takes_engine_settings_and_refuses_bad_ones(tiny_checkpoint):
+    model = str(tiny_checkpoint("qwen3"))
+    long = " ".join(["word"] * 20)
+    r = _coxswain("generate", "--model", model, "--device", "cpu", "--engine",
+                  "max_model_len=8", long)  # fmt: skip
+    assert r.returncode == 2 and "the model's context is 8" in r.stderr  # the setting took
+    r = _coxswain("generate", "--model", model, "--engine", "max_num_seqs=3", "hi")
+    assert r.returncode == 2
+    assert r.stderr == "coxswain: error: --engine max_num_seqs: set it with --max-num-seqs\n"
+
+
 def test_up_refuses_engine_settings_no_replica_could_take_before_starting(tmp_path):
     env = _home_env(tmp_path)
     for flag, said in (
