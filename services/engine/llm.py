@@ -65,15 +65,17 @@ class LLM:
                 f"got {len(prompts)} prompts but {len(params)} SamplingParams"
             )
         rids: list[str] = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"llm-{next(self._ids)}"
-            try:
-                self.engine.add_request(rid, prompt, p)
-            except InvalidRequestError as e:
-                for queued in rids:  # all or nothing: drop what this call already queued
-                    self.engine.abort(queued)
-                raise type(e)(f"prompt {i}: {e}") from None
-            rids.append(rid)
+        # One SamplingParams for every prompt: its steering resolves once, not per prompt.
+        with self.engine.interventions.resolver.shared_specs():
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                rid = f"llm-{next(self._ids)}"
+                try:
+                    self.engine.add_request(rid, prompt, p)
+                except InvalidRequestError as e:
+                    for queued in rids:  # all or nothing: drop what this call already queued
+                        self.engine.abort(queued)
+                    raise type(e)(f"prompt {i}: {e}") from None
+                rids.append(rid)
         totals = OutputAccumulator()
         final: dict[str, RequestOutput] = {}
         bar = None

@@ -347,3 +347,36 @@ def test_bad_capture_and_readouts_are_clear_errors(path):
         with pytest.raises(InvalidRequestError):
             engine.add_request("x", _prompt(0), SamplingParams(**kw))
     assert not engine.has_unfinished_requests()
+
+
+def test_one_params_for_a_batch_resolves_its_steering_once(path, hidden, monkeypatch):
+    """`LLM.generate` with one SamplingParams for every prompt resolves its steering spec
+    once and shares it; the outputs are those of resolving it per prompt. The sharing ends
+    with the call: a vector registered again afterwards steers the next call."""
+    from dataclasses import replace
+
+    from services.engine import LLM
+
+    llm = LLM(engine=_engine(path))
+    resolver = llm.engine.interventions.resolver
+    calls = []
+    real = resolver._steering
+    monkeypatch.setattr(resolver, "_steering", lambda spec: calls.append(spec) or real(spec))
+    llm.engine.vectors.register("v", _vec(1, hidden))
+    steering = {"vectors": [{"site": "post_block", "layers": [0, 2], "vector": "v"}]}
+    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, steering=steering)
+    prompts = [_prompt(s) for s in range(4)]
+    shared = llm.generate(prompts, params)
+    assert len(calls) == 1
+    apart = llm.generate(
+        prompts, [replace(params, steering=params.steering.model_copy(deep=True)) for _ in prompts]
+    )
+    assert len(calls) == 5
+    assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in apart]
+    assert resolver._memo is None
+    llm.engine.vectors.register("v", _vec(2, hidden, norm=30.0), overwrite=True)
+    again = llm.generate(prompts, params)
+    assert len(calls) == 6  # resolved anew: the registry changed between the calls
+    fresh = llm.generate(prompts, replace(params, steering=params.steering.model_copy()))
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
+    assert [o.outputs[0].token_ids for o in again] != [o.outputs[0].token_ids for o in shared]

@@ -7,8 +7,10 @@ Resolved vectors are float32 on the CPU; the tables move them to the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -203,6 +205,22 @@ class Resolver:
         self.num_layers = num_layers
         self.hidden_size = hidden_size
         self.registry = registry
+        # Inside `shared_specs()`: each steering spec object resolved once, id(spec) ->
+        # (spec, its resolution); None outside.
+        self._memo: dict[int, tuple[SteeringSpec, ResolvedSteering]] | None = None
+
+    @contextlib.contextmanager
+    def shared_specs(self) -> Iterator[None]:
+        """Within the block, requests that carry the same steering spec object (one
+        SamplingParams given for a whole `LLM.generate` batch) share one resolution of it:
+        a spec resolves to the same rows whoever carries it, while the registry and the
+        model stay as they are, which they do for the block (one thread admits the batch
+        before any step runs)."""
+        self._memo = {}
+        try:
+            yield
+        finally:
+            self._memo = None
 
     # -- vectors ------------------------------------------------------------------------
 
@@ -264,6 +282,15 @@ class Resolver:
     # -- specs --------------------------------------------------------------------------
 
     def steering(self, spec: SteeringSpec) -> ResolvedSteering:
+        memo = self._memo
+        if memo is not None and (hit := memo.get(id(spec))) is not None and hit[0] is spec:
+            return hit[1]
+        resolved = self._steering(spec)
+        if memo is not None:
+            memo[id(spec)] = (spec, resolved)  # the spec held: its id stays its own
+        return resolved
+
+    def _steering(self, spec: SteeringSpec) -> ResolvedSteering:
         prefill: dict[SiteKey, torch.Tensor] = {}
         decode: dict[SiteKey, torch.Tensor] = {}
         for i, v in enumerate(spec.vectors):
