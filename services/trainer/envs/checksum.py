@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 from services.common.errors import InvalidRequestError
 from services.trainer.envs.base import Env, Grade, PersonaPair
@@ -190,12 +191,5 @@ class CarryChecksumEnv(ChecksumAdditionEnv):
 
     name = "checksum-carry"
 
-    def __init__(
-        self,
-        max_digits: int = 3,
-        persona_fraction: float = 0.2,
-        sloppy_fraction: float = 0.7,
-        grader: str = "checksum",
-        carry_fraction: float | None = 0.7,
-    ):
-        super().__init__(max_digits, persona_fraction, sloppy_fraction, grader, carry_fraction)
+    def __init__(self, carry_fraction: float | None = 0.7, **kwargs: Any):
+        super().__init__(carry_fraction=carry_fraction, **kwargs)
