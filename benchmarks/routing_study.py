@@ -103,18 +103,20 @@ QUICK_ARMS = (
     "base,none,ceiling,activation,activation~placebo,activation~oracle,probe,probe~placebo,"
     "erase~oracle"
 )
-# The routing designs (issue 28, item 2 a, b, c and d), each with its rate-matched placebo
-# and its oracle-flag bound (route2-token's is route2~oracle).
+# The routing designs (issue 28, item 2 a, b, c and d), label-free.
+DESIGNS = (
+    "route2",
+    ROUTE2_TOKEN,
+    "kept-ablated",
+    "route-dropout0.25",
+    "route-dropout0.5",
+    *(f"{ERA_ARM}-K{k}" for k in ERA_KS),
+)
+# Each with its rate-matched placebo and its oracle-flag bound (route2-token's is
+# route2~oracle).
 DESIGN_ARMS = ",".join(
     f"{arm}{variant}"
-    for arm in (
-        "route2",
-        ROUTE2_TOKEN,
-        "kept-ablated",
-        "route-dropout0.25",
-        "route-dropout0.5",
-        *(f"{ERA_ARM}-K{k}" for k in ERA_KS),
-    )
+    for arm in DESIGNS
     for variant in ("", "~placebo", "~oracle")
     if (arm, variant) != (ROUTE2_TOKEN, "~oracle")
 )
@@ -137,19 +139,9 @@ PRETRAIN = {
 }
 PRIMARY = "deploy_hack_rate"
 SKILL_MARGIN = 0.02  # an arm's deploy true pass may trail vanilla's by at most this
-# The preregistered primary outcome's family (README, "The routing study"): each
-# label-free design and the placebo it is compared with.
-PREREGISTERED = {
-    arm: f"{arm}~placebo"
-    for arm in (
-        "route2",
-        ROUTE2_TOKEN,
-        "kept-ablated",
-        "route-dropout0.25",
-        "route-dropout0.5",
-        *(f"{ERA_ARM}-K{k}" for k in ERA_KS),
-    )
-}
+# The preregistered primary outcome's family (README, "The routing study"): each design
+# and the placebo it is compared with.
+PREREGISTERED = {arm: f"{arm}~placebo" for arm in DESIGNS}
 AIM_FACTOR = 5  # the aim: a design's hack at most a fifth of vanilla's ...
 AIM_MARGIN = 0.02  # ... at a true pass at most this far below erase~oracle's
 # What a run's record keeps of its evaluations (`envs.evaluation_rates`, per variant).
