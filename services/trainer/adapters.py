@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from torch import nn
 from services.common.errors import InvalidRequestError
 from services.engine.adapters import svd_basis
 from services.engine.model.layers import ColumnParallelLinear, RowParallelLinear
+
+log = logging.getLogger(__name__)
 
 QuarantineKind = Literal["svd", "lora"]
 GateKind = Literal["scale", "shift"]
@@ -165,6 +168,12 @@ class _ForwardControls:
     token_flags: dict[str, torch.Tensor] | None = None
 
 
+def lora_rank_for(weight: torch.Tensor, rank: int) -> int:
+    """The LoRA quarantine's rank on `weight`: `rank`, capped at min(out, in), the most a
+    product B·A of that shape can have."""
+    return min(rank, *weight.shape)
+
+
 class SVDAdaptedLinear(nn.Module):
     """A frozen engine Linear plus its kept and quarantine adapters (see module docstring)."""
 
@@ -194,10 +203,13 @@ class SVDAdaptedLinear(nn.Module):
         else:
             self.delta_s_q = None
             g = torch.Generator().manual_seed(config.seed + int(basis.weight_hash[:8], 16))
-            a = torch.empty(config.lora_rank, w.shape[1], dtype=torch.float64)
+            # A LoRA wider than the weight's smaller side adds nothing B·A could express (and
+            # an engine refuses it): capped there (`attach_adapters` says so once).
+            lr = lora_rank_for(w, config.lora_rank)
+            a = torch.empty(lr, w.shape[1], dtype=torch.float64)
             bound = (3.0 / w.shape[1]) ** 0.5  # Kaiming-uniform (a=sqrt(5)) as in PEFT's LoRA
             a.uniform_(-bound, bound, generator=g)
-            b = torch.randn(w.shape[0], config.lora_rank, dtype=torch.float64, generator=g)
+            b = torch.randn(w.shape[0], lr, dtype=torch.float64, generator=g)
             self.lora_a_q = nn.Parameter(a.to(**dd))  # [lr, in]
             self.lora_b_q = nn.Parameter((b * config.quarantine_init).to(**dd))  # [out, lr]
         self._controls = controls
@@ -503,6 +515,18 @@ def attach_adapters(
             if mod.ctx.tp_size != 1:
                 raise InvalidRequestError("adapters need unsharded Linears (tp_size 1)")
             matched[n] = mod
+    if config.quarantine == "lora":
+        capped = sorted(
+            n
+            for n, m in matched.items()
+            if lora_rank_for(m.weight, config.lora_rank) < config.lora_rank
+        )
+        if capped:
+            log.warning(
+                "LoRA quarantine rank %d exceeds min(out, in) of %d module(s) (%s...): capped "
+                "there, where a wider LoRA could express nothing more",
+                config.lora_rank, len(capped), capped[0],
+            )  # fmt: skip
     controls = _ForwardControls()
     modules: dict[str, SVDAdaptedLinear] = {}
     for n, mod in sorted(matched.items()):

@@ -112,3 +112,21 @@ def test_zero_coherence_steps_is_no_phase_and_k_steps_only_append_one(path, tmp_
     assert [r["kind"] for r in tail] == ["coherence", "coherence", "eval"]
     assert tail[-1]["coherence_steps"] == 2 and tail[-1]["step"] == 2
     assert run(_config(path, tmp_path / "k2", steps=2, coherence_steps=2)) == []
+
+
+def test_a_quarantine_wider_than_a_module_is_capped_at_its_full_rank(path, tmp_path, caplog):
+    """The study's expand-route-ablate on a small model asks for more LoRA rank than a
+    module's smaller side (here 48 + 48 on 64-wide weights): each LoRA is capped at
+    min(out, in), which already expresses any update, the cap is logged, and the rollout
+    engine serves it (it refused a wider one, ending the run at its first sync)."""
+    cfg = _config(path, tmp_path, rank=48, quarantine_extra_rank=48)
+    with caplog.at_level("WARNING", logger="services.trainer.adapters"):
+        trainer = GRPOTrainer(cfg)
+    assert "LoRA quarantine rank 96 exceeds min(out, in)" in caplog.text
+    for m in trainer.adapters.modules.values():
+        full = min(m.base.weight.shape)
+        assert m.lora_a_q.shape[0] == m.lora_b_q.shape[1] == min(96, full) == 64
+    trainer.step()
+    lora = trainer.rollout.engine.adapters.loaded["policy"].lora_rank
+    assert lora == 64
+    trainer.close()
