@@ -112,6 +112,15 @@ def compare_arms(
         if a not in (baseline, placebo) and a not in matched and placebo in by_arm
     ]
     pairs += [(a, f"{a}~placebo") for a in by_arm if f"{a}~placebo" in by_arm]
+    return paired_comparisons(by_arm, pairs)
+
+
+def paired_comparisons(
+    by_arm: dict[str, dict[RunKey, float]], pairs: list[tuple[str, str]]
+) -> list[Comparison]:
+    """Each (arm, against) of `pairs` by a paired permutation test over the (base, seed)
+    runs both arms have, Holm-corrected over the pairs compared. Pairs that share fewer
+    than 2 runs are left out."""
     shared = {(a, b): sorted(by_arm[a].keys() & by_arm[b].keys()) for a, b in pairs}
     pairs = [pair for pair in pairs if len(shared[pair]) >= 2]
     values = {
@@ -167,36 +176,20 @@ def preregistered_outcome(
     (base, seed), Holm-corrected over those designs alone; with its mean true pass against
     the `base` arm's and its mean well-formed rate. Designs sharing fewer than 2 runs with
     their placebo are left out."""
-    designs = [
-        d for d, p in placebos.items()
-        if d in hack and p in hack and len(hack[d].keys() & hack[p].keys()) >= 2
-    ]  # fmt: skip
-    shared = {d: sorted(hack[d].keys() & hack[placebos[d]].keys()) for d in designs}
-    values = {
-        d: ([hack[d][k] for k in shared[d]], [hack[placebos[d]][k] for k in shared[d]])
-        for d in designs
-    }
-    raw = {d: paired_permutation_p(*values[d], seed=i) for i, d in enumerate(designs)}
-    adjusted = holm(raw)
+    pairs = [(d, p) for d, p in placebos.items() if d in hack and p in hack]
     # No base runs: no design can be said to keep the skill (NaN compares false).
     floor = (
         np.mean(list(true_pass[base].values())) - skill_margin if true_pass.get(base) else math.nan
     )
     verdicts = []
-    for d in designs:
-        skill = float(np.mean(list(true_pass[d].values())))
-        formed = float(np.mean(list(well_formed[d].values()))) if well_formed.get(d) else math.nan
-        comparison = Comparison(
-            d,
-            placebos[d],
-            float(np.mean(np.subtract(*values[d]))),
-            len(shared[d]),
-            raw[d],
-            adjusted[d],
+    for c in paired_comparisons(hack, pairs):
+        skill = float(np.mean(list(true_pass[c.arm].values())))
+        formed = (
+            float(np.mean(list(well_formed[c.arm].values())))
+            if well_formed.get(c.arm)
+            else math.nan
         )
         verdicts.append(
-            PrimaryVerdict(
-                comparison, skill, formed, bool(skill >= floor), formed >= well_formed_floor
-            )
+            PrimaryVerdict(c, skill, formed, bool(skill >= floor), formed >= well_formed_floor)
         )
     return verdicts
