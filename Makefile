@@ -60,7 +60,7 @@ proto:
 # (GPU_TESTS: a part of it, e.g. tests/gpu/test_parallel_nccl.py)
 GPU_TESTS ?= tests/gpu
 gpu-test:
-	PYTHONPATH=. $(PY) -m pytest -q $(GPU_TESTS)
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q $(GPU_TESTS)
 
 # Everything a CUDA host without internet access needs beside its own PyTorch, built into
 # .device/ on a machine with it (same arch, Debian/Ubuntu for redis-server): the wheels of
