@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from services.engine.host_memory import host_zeros
 from services.engine.interventions.sites import parse_site
 from services.engine.kernels.capture import capture_slot
 
@@ -104,7 +105,7 @@ class InlineCaptureSink:
                 part = block.rows()[torch.tensor(block_rows)][:, cols]  # [n, K, H]
                 if gathered is None:
                     shape = (len(keys), len(positions), part.shape[2])
-                    gathered = torch.zeros(shape, dtype=dtype)
+                    gathered = host_zeros(shape, dtype)
                 gathered[:, torch.tensor(index)] = part.transpose(0, 1).to(dtype)
             assert gathered is not None
             out = {k: gathered[j] for j, k in enumerate(keys)}

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from services.engine.host_memory import host_empty
+
 log = logging.getLogger(__name__)
 
 
@@ -146,7 +148,8 @@ class CaptureDrain:
             try:
                 if block.done is not None:
                     block.done.synchronize()  # releases the GIL while it waits
-                host = torch.empty(block.host.shape, dtype=dtype)  # pageable
+                # pageable, on huge pages: 4 KiB page faults would cost ten times the copy
+                host = host_empty(block.host.shape, dtype)
                 host.copy_(block.host)
                 block.host = host
                 block.lease = None  # the pinned rows go back to the arena now
