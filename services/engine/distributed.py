@@ -133,7 +133,9 @@ class StepSync:
 
     def attach(self, engine: ReplicaEngine) -> None:
         """Wire an engine built with this sync: the driver mirrors registry changes; the
-        others write no capture runs (the driver does) and resolve no patch sources."""
+        others write no capture runs (the driver does), resolve no patch sources, and keep
+        no captures (their copies to the host would be dropped with their outputs: at
+        TP=4 that was three times the driver's host work for nothing)."""
         iv = engine.interventions
         iv.local_layers = engine.runner.model.layer_range
         if self.is_driver:
@@ -141,6 +143,8 @@ class StepSync:
             iv.registry.mirror = lambda change: self._outbox.append(("vector", change))
         else:
             iv.writes_runs = False
+            iv.observer.keeps_captures = False
+            engine.runner.copies_captures = False
 
     def record(self, kind: str, payload: Any) -> None:
         """Driver: queue a change for the other ranks' next step (a no-op elsewhere)."""

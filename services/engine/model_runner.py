@@ -106,6 +106,9 @@ class ModelRunner:
         # The last stage sends each step's sampled tokens to the first on the device, for
         # the next step's placeholders; pipeline microbatches take them from the host.
         self.hands_off_tokens = ctx.pp_size > 1
+        # Whether capture blocks come back to the host: not on the ranks of a parallel
+        # replica that deliver no outputs (`StepSync.attach`), whose graphs still fill them.
+        self.copies_captures = True
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
@@ -525,7 +528,8 @@ class ModelRunner:
         one event covering both), and the capture block."""
         rb = self.readback
         assert rb is not None
-        if not (iv.reads_fired or iv.reads_scores or iv.capture_block):
+        capture = iv.capture_block and self.copies_captures
+        if not (iv.reads_fired or iv.reads_scores or capture):
             return  # steering alone: nothing to read back
         if iv.reads_fired and sample_rows and not (graphed and len(sample_rows) == num_seqs):
             index = self.batch.dev["logits_rows"][:num_seqs]
@@ -537,7 +541,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # `result()` waits for these copies too
             pending.copied = torch.cuda.Event()
             pending.copied.record()
-        if iv.capture_block:  # on a stream of its own, with its own event
+        if capture:  # on a stream of its own, with its own event
             pending.readback["captures"] = rb.copy_captures(
                 len(iv.block_captures), iv.block_slots, iv.block_dtype
             )

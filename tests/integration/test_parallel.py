@@ -151,3 +151,29 @@ def test_a_rank_that_dies_before_the_driver_reports_fails_the_launch_at_once(tmp
     rank has exited, rather than waiting out its timeout for a result that cannot come."""
     with pytest.raises(RuntimeError, match=r"rank\(s\) exited before the driver finished"):
         launch_local(str(tmp_path / "missing"), 2, 1, len, timeout_s=300)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_the_driver_rank_keeps_captures(checkpoint, rank):
+    """`StepSync.attach`: a rank that delivers no outputs computes what the driver does but
+    copies no capture to the host and keeps none (at TP=4 each worker would hold, and page
+    in, every request's captures for nothing); the driver keeps them all."""
+    from services.engine import LLM, SamplingParams
+    from services.engine.distributed import StepSync
+    from services.engine.parallel import ParallelContext
+
+    engine = LLMEngine(checkpoint, CONFIG)
+    StepSync(ParallelContext(tp_rank=rank, tp_size=2)).attach(engine)
+    capture = {"sites": {"post_block": "all"}, "positions": "all"}
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, capture=capture)
+    out = LLM(engine=engine).generate(["the quick brown fox"], params)[0]
+    observer = engine.interventions.observer
+    captured = observer.num_block_captures + observer.num_eager_captures
+    assert len(out.outputs[0].token_ids) == 5
+    if rank == 0:
+        # each prompt position, each generated one but the last (never fed back)
+        positions = list(range(len(out.prompt_token_ids) + 5 - 1))
+        assert out.capture_positions == positions and captured == len(positions)
+        assert set(out.captures) == {f"{L}.post_block" for L in range(parallel_workload.LAYERS)}
+    else:
+        assert captured == 0 and not out.captures

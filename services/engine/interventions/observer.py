@@ -60,6 +60,9 @@ class StepObserver:
         # Captured tokens routed from a decode step's capture block, and from eager copies
         self.num_block_captures = 0
         self.num_eager_captures = 0
+        # False on the ranks of a parallel replica that deliver no outputs (`StepSync`):
+        # they hold the same requests, but only the driver's captures reach anyone.
+        self.keeps_captures = True
         # Declarative gates, per (layer, site): decode tokens they were evaluated on, and
         # how many of those they fired on (the dashboard's firing rates).
         self.gate_tokens: Counter[SiteKey] = Counter()
@@ -81,9 +84,9 @@ class StepObserver:
             return None  # steering alone: nothing comes back
         n = len(sched.scheduled)
         report = StepReport([None] * n, [None] * n)
-        if step.capture_meta:
+        if step.capture_meta and self.keeps_captures:
             self._write_captures(sched, step)
-        if step.block_captures:
+        if step.block_captures and self.keeps_captures:
             self._write_block(sched, step)
         if step.readers:
             values, at = step.probe_values(), 0
