@@ -90,6 +90,11 @@ class InlineCaptureSink:
         positions = sorted(set(blocks).union(*(by_pos.keys() for by_pos in rows.values())))
         if not keys or not positions:
             return None
+        if not blocks and all(len(rows.get(k, ())) == len(positions) for k in keys):
+            # Every key copied eagerly at every position (a prompt's captures): one stack.
+            flat = torch.stack([rows[k][p] for k in keys for p in positions])
+            stacked = flat.to(dtype).view(len(keys), len(positions), -1)
+            return {k: stacked[j] for j, k in enumerate(keys)}, positions
         out = {}
         if blocks:  # every block position's rows of every key in one gather per block
             at = {p: i for i, p in enumerate(positions)}
