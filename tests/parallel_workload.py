@@ -228,8 +228,9 @@ def overlapped(engine) -> dict:
 
 def microbatched(engine) -> dict:
     """Five plain requests (greedy and seeded sampling, top-3 logprobs) in one batch: their
-    tokens and logprobs, and the requests of each overlapped step once every prefill is
-    done (with `pipeline_microbatches`, disjoint parts of the batch in turn)."""
+    tokens and logprobs, the requests of each overlapped step once every prefill is done
+    (with `pipeline_microbatches`, disjoint parts of the batch in turn), and the most steps
+    ever in flight between calls."""
     prompts = ["the quick brown fox", "once upon a time", "1 2 3 4", "a b c", "we went"]
     for i, prompt in enumerate(prompts):
         params = SamplingParams(
@@ -239,15 +240,17 @@ def microbatched(engine) -> dict:
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[dict]] = {}
     steps: list[list[str]] = []
+    depth = 0
     while engine.has_unfinished_requests():
         for delta in engine.step():
             for sample in delta.samples:
                 tokens.setdefault(delta.request_id, []).extend(sample.token_ids)
                 logprobs.setdefault(delta.request_id, []).extend(sample.logprobs or [])
         in_flight = engine._in_flight
-        if in_flight is not None and all(len(t) for t in tokens.values()) and len(tokens) == 5:
-            steps.append(sorted(s.seq.group.request_id for s in in_flight[0].scheduled))
-    return {"tokens": tokens, "logprobs": logprobs, "steps": steps}
+        depth = max(depth, len(in_flight))
+        if in_flight and all(len(t) for t in tokens.values()) and len(tokens) == 5:
+            steps.append(sorted(s.seq.group.request_id for s in in_flight[-1][0].scheduled))
+    return {"tokens": tokens, "logprobs": logprobs, "steps": steps, "depth": depth}
 
 
 def plain_decode(engine) -> dict:

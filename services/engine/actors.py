@@ -85,6 +85,7 @@ class EngineRank:
             init_method,
             device.type,
             config.fused_all_reduce_norm,
+            config.pipeline_microbatches,
         )
         store = None
         if patch_store_address and sync.is_driver:  # only the driver resolves sources

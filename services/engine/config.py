@@ -93,9 +93,11 @@ class EngineConfig:
     fused_all_reduce_norm: bool = False
     # Pipeline-parallel replicas: overlapped decode steps take turns over this many disjoint
     # parts of the running batch, so each stage computes one part while the next stage
-    # computes another (1: every step carries the whole batch, stage after stage). The
-    # parts' tokens go back through the host rather than stage to stage on the device.
-    # Off by default until it has run on GPUs; on one stage it is logged and not used.
+    # computes another (1: every step carries the whole batch, stage after stage). As many
+    # steps stay in flight; a part's tokens go from the last stage to the first on the
+    # device, for the part's next step. A decode step reads every weight of its stage
+    # whatever its batch, so this pays at a batch one GPU could not hold, not at a fixed
+    # one (benchmarks/README.md). Off by default; on one stage it is logged and not used.
     pipeline_microbatches: int = 1
 
     def __post_init__(self) -> None:

@@ -74,12 +74,13 @@ def init_replica(
     init_method: str,
     device_type: str = "cpu",
     fused_all_reduce_norm: bool = False,
+    pipeline_microbatches: int = 1,
 ) -> tuple[ParallelContext, StepSync]:
     """Join this process to its replica's process groups; returns its context and step sync.
 
     Ranks are numbered stage by stage (`rank = pp_rank * tp_size + tp_rank`); every rank must
-    call this with the same sizes, `init_method` (e.g. `tcp://127.0.0.1:29500`) and
-    `fused_all_reduce_norm` (`EngineConfig`'s).
+    call this with the same sizes, `init_method` (e.g. `tcp://127.0.0.1:29500`),
+    `fused_all_reduce_norm` and `pipeline_microbatches` (`EngineConfig`'s).
     """
     world = tp_size * pp_size
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -95,6 +96,13 @@ def init_replica(
         group = dist.new_group(ranks, timeout=IDLE_TIMEOUT) if tp_size > 1 else None
         if rank in ranks:
             tp_group = group
+    token_group = None
+    if pp_size > 1 and pipeline_microbatches > 1:
+        for tp_rank in range(tp_size):  # each first-stage rank and its last-stage peer
+            pair = [tp_rank, (pp_size - 1) * tp_size + tp_rank]
+            group = dist.new_group(pair, timeout=IDLE_TIMEOUT)
+            if rank in pair:
+                token_group = group
     symmetric = fused = None
     if device_type == "cuda" and tp_size > 1:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -113,6 +121,7 @@ def init_replica(
         tp_group=tp_group,
         symmetric=symmetric,
         fused_norm=fused,
+        token_group=token_group,
     )
     return ctx, StepSync(ctx, objects)
 

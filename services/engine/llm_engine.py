@@ -6,6 +6,7 @@ check stop conditions → emit outputs for every request that changed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import pickle
@@ -129,6 +130,12 @@ class LLMEngine:
             action_queue_size=cfg.action_queue_size,
             capture_rows=capture_rows,
         )
+        # Overlapped steps in flight: one, or each pipeline microbatch's (`step`).
+        self.microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
+        if self.microbatches < cfg.pipeline_microbatches:
+            log.warning("pipeline_microbatches applies to pipeline stages: not used")
+        self.runner.recent.lookback = self.microbatches  # how far back a placeholder's token is
+        self.runner.copies.ring = self.microbatches + 1  # host copies not yet read, and one
         self.runner.readback = Readback(
             self.runner.max_num_batched_tokens,
             cfg.max_num_seqs,
@@ -139,6 +146,7 @@ class LLMEngine:
             hidden=self.model_config.hidden_size,
             dtype=self.dtype,
             host_rows=3 * capture_rows if cfg.capture_host_rows is None else cfg.capture_host_rows,
+            ring=self.microbatches + 1,
         )
         if not cfg.enforce_eager and self.runner.can_use_graphs():
             steer_sites = frozenset(
@@ -152,10 +160,6 @@ class LLMEngine:
         self.interventions.model_name = str(self.model_dir)
         if sync is not None:
             sync.attach(self)
-        self.microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
-        if self.microbatches < cfg.pipeline_microbatches:
-            log.warning("pipeline_microbatches applies to pipeline stages: not used")
-        self.runner.hands_off_tokens = ctx.pp_size > 1 and self.microbatches == 1
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -168,8 +172,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, RequestGroup] = {}
-        # The step launched by the last call, when steps overlap: (schedule, PendingStep).
-        self._in_flight: tuple[Any, Any] | None = None
+        # Steps launched and not yet accepted, when steps overlap: (schedule, PendingStep,
+        # plan), oldest first; at most `microbatches` after a launch's acceptance.
+        self._in_flight: collections.deque[tuple[Any, Any, Any]] = collections.deque()
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_patch_passes = 0
@@ -396,7 +401,7 @@ class LLMEngine:
         outputs: list[RequestDelta] = []
         if not overlap:
             outputs += self._drain()
-        sched = self.scheduler.schedule(self.microbatches if overlap else 1)
+        sched = self.scheduler.schedule(self.microbatches if overlap else 1, self.num_steps)
         if sched.is_empty:
             return outputs + self._drain()
         plan = self.interventions.plan_step(sched)
@@ -405,9 +410,9 @@ class LLMEngine:
         if overlap:  # the next plan needs nothing this step reads back (see _can_overlap)
             self.scheduler.advance(sched)
             self._hold_places(sched)
-            previous, self._in_flight = self._in_flight, (sched, pending, plan)
-            if previous is not None:
-                outputs += self._finish(*previous)
+            self._in_flight.append((sched, pending, plan))
+            if len(self._in_flight) > self.microbatches:  # a step, or M parts, in flight
+                outputs += self._finish(*self._in_flight.popleft())
             return outputs
         result = pending.result()
         if self.sync is not None:
@@ -425,11 +430,11 @@ class LLMEngine:
         return self.config.async_scheduling and self.interventions.reads_nothing_back()
 
     def _drain(self) -> list[RequestDelta]:
-        """Accept the tokens of the step in flight, if any."""
-        if self._in_flight is None:
-            return []
-        in_flight, self._in_flight = self._in_flight, None
-        return self._finish(*in_flight)
+        """Accept the tokens of the steps in flight, if any."""
+        outputs: list[RequestDelta] = []
+        while self._in_flight:
+            outputs += self._finish(*self._in_flight.popleft())
+        return outputs
 
     def _finish(self, sched: Any, pending: Any, plan: Any) -> list[RequestDelta]:
         """Accept an overlapped step: its tokens, and what its interventions read back."""
@@ -448,6 +453,7 @@ class LLMEngine:
             seq = s.seq
             seq.token_ids.append(PLACEHOLDER)
             seq.num_pending += 1
+            seq.pending_step = self.num_steps - 1  # the step just launched
             max_tokens = seq.group.params.max_tokens
             if seq.num_tokens >= self.max_model_len or (
                 max_tokens is not None and seq.num_generated + seq.num_pending >= max_tokens

@@ -91,7 +91,8 @@ def _local_rank(
     if os.environ.get("COXSWAIN_HANG_DUMP_S"):  # debugging a hung replica: dump every stack
         faulthandler.dump_traceback_later(float(os.environ["COXSWAIN_HANG_DUMP_S"]), exit=True)
     fused = getattr(engine_config, "fused_all_reduce_norm", False)
-    ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type, fused)
+    microbatches = getattr(engine_config, "pipeline_microbatches", 1)
+    ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type, fused, microbatches)
     try:
         engine = LLMEngine(model, engine_config, ctx=ctx, sync=sync)
         if driver_fn is None:

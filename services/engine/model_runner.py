@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -52,11 +53,13 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaFamilyForCausalLM
 from services.engine.model.loader import load_weights
 from services.engine.parallel import ParallelContext
-from services.engine.sampler import SampledBatch, SamplingMetadata, prompt_logprobs, sample
+from services.engine.recent_tokens import RecentTokens
+from services.engine.sampler import SamplingMetadata, prompt_logprobs, sample
 from services.engine.scheduler import StepRequest
 from services.engine.sequence import PLACEHOLDER
 from services.engine.step_batch import (
     STEER_FIELDS,
+    HostCopies,
     PendingStep,
     StepBatch,
     StepResult,
@@ -104,7 +107,7 @@ class ModelRunner:
         self.backend = backend
         self.ctx = ctx
         # The last stage sends each step's sampled tokens to the first on the device, for
-        # the next step's placeholders; pipeline microbatches take them from the host.
+        # the placeholders of the step that feeds them back (`recent_tokens.py`).
         self.hands_off_tokens = ctx.pp_size > 1
         # Whether capture blocks come back to the host: not on the ranks of a parallel
         # replica that deliver no outputs (`StepSync.attach`), whose graphs still fill them.
@@ -142,10 +145,11 @@ class ModelRunner:
         self.num_capture_graph_steps = 0  # ... of them, one that captures
         self.num_adapted_graph_steps = 0  # ... of them (any kind), an adapted one
         self.num_eager_steps = 0
-        # The last launched step's sampled tokens (device) and each sequence's row in them.
-        self._prev_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
-        # Pinned host buffers for the copy back, per dtype, two of each used in turn.
-        self._copy_buffers: dict[torch.dtype, list[torch.Tensor]] = {}
+        # The last steps' sampled tokens (device), for placeholders; `lookback`: how many
+        # steps back a placeholder's token was sampled (the engine's pipeline microbatches).
+        self.recent = RecentTokens()
+        self.num_launches = 0
+        self.copies = HostCopies(device)  # the pinned buffers sampled ids come back through
 
     def kv_bytes_per_block(self) -> int:
         layers = len(self.model.attention_layers())
@@ -198,16 +202,19 @@ class ModelRunner:
             tables[i, : len(q.block_ids)] = q.block_ids
         ids = np_["input_ids"][:t]
         ids[:] = [tok for q in reqs for tok in q.token_ids]
-        fills = bool((ids == PLACEHOLDER).any())
+        holes = ids == PLACEHOLDER
+        # Only the first pipeline stage embeds tokens: it fills each placeholder from the
+        # row of the recent step that sampled it.
+        fills = self.ctx.is_first_stage and bool(holes.any())
         marks = np_["prev_rows"][:t]
-        if fills:  # each placeholder's row in the previous step's sampled tokens
-            prev_rows = self._prev_sampled[1] if self._prev_sampled else {}
+        if fills:
             marks[:] = -1
-            for i, q in enumerate(reqs):
-                for j, tok in enumerate(q.token_ids):
-                    if tok == PLACEHOLDER:
-                        marks[qsl[i] + j] = prev_rows[q.seq_id]
-            ids[ids == PLACEHOLDER] = 0
+            at = np.flatnonzero(holes)
+            seq_ids = [reqs[i].seq_id for i in np.searchsorted(qsl, at, side="right") - 1]
+            rows = np.empty(len(at), np.int64)
+            self.recent.rows_for(seq_ids, rows)
+            marks[at] = rows
+        ids[holes] = 0
         req_of_token = np.repeat(np.arange(r), q_lens)
         positions = np.arange(t) - np.repeat(qsl[:-1] - starts, q_lens)
         np_["positions"][:t] = positions
@@ -429,6 +436,11 @@ class ModelRunner:
         sequence; it is filled in on the device, so the next step can be launched before the
         previous one's tokens reach the host."""
         n = len(reqs)
+        self.num_launches += 1
+        recv = functools.partial(self.ctx.recv_from_last_stage, device=self.device)
+        handoff = self.ctx.pp_size > 1 and self.ctx.is_first_stage and self.hands_off_tokens
+        if handoff and self.recent.lookback > 1:  # the tokens of the step M launches back
+            self.recent.receive_through(self.num_launches - self.recent.lookback, recv)
         adapted = False
         if self.adapters is not None:
             self._refresh_graphs()
@@ -444,8 +456,8 @@ class ModelRunner:
         if interventions is not None:
             assert self.readback is not None
             interventions.bind(self.readback, *sb.steer_views(t))
-        if fills:
-            self._fill_placeholders(t)
+        if fills:  # input_ids[i] = a recent step's token for rows marked in prev_rows
+            self.recent.fill(self.batch.dev["input_ids"][:t], self.batch.dev["prev_rows"][:t])
         hidden = None
         sample_rows = [i for i, q in enumerate(reqs) if q.samples]
         if graphs:
@@ -478,11 +490,17 @@ class ModelRunner:
         pending = PendingStep(n, sample_rows)
         graphed = bucket is not None
         if not self.ctx.is_last_stage:  # a pipeline stage before the last samples nothing
-            if sample_rows and self.ctx.is_first_stage and self.hands_off_tokens:
-                # ... but embeds the next step's tokens: the last stage sends them on the
-                # device, so the next step may be launched before they reach any host.
-                ids = self.ctx.recv_from_last_stage(len(sample_rows), self.device)
-                self._prev_sampled = (ids, {reqs[i].seq_id: j for j, i in enumerate(sample_rows)})
+            if sample_rows and handoff:
+                # ... but embeds the tokens it feeds back: the last stage sends them on the
+                # device, so the step that feeds them back may be launched before they
+                # reach any host (taken now with one part a step, else that step's launch).
+                seq_rows = {reqs[i].seq_id: j for j, i in enumerate(sample_rows)}
+                self.recent.expect(self.num_launches, len(sample_rows), seq_rows)
+                take = functools.partial(self.recent.receive_through, self.num_launches, recv)
+                if self.recent.lookback == 1:
+                    take()
+                else:  # by `result()` at the latest: every send is received, in order
+                    pending.settle = take
             if interventions is not None:
                 self._read_back(pending, interventions, graphed, t, n, sample_rows)
             return pending
@@ -495,10 +513,10 @@ class ModelRunner:
                 self.generator,
             )
             pending.sampled = sampled = sample(logits, meta)
-            self._copy_back(pending, sampled)
-            self._prev_sampled = (sampled.token_ids, {q.seq_id: j for j, q in enumerate(picked)})
-            if not self.ctx.is_first_stage and self.hands_off_tokens:  # embedded next step
-                self.ctx.send_to_first_stage(sampled.token_ids)
+            pending.host, pending.copied = self.copies.copy(sampled.packed())
+            self.recent.add(sampled.token_ids, {q.seq_id: j for j, q in enumerate(picked)})
+            if not self.ctx.is_first_stage and self.hands_off_tokens:  # embedded later
+                self.recent.sent(self.ctx.send_to_first_stage(sampled.token_ids))
         for i, q in enumerate(reqs):
             if q.prompt_logprobs is None or hidden is None:
                 continue
@@ -545,34 +563,6 @@ class ModelRunner:
             pending.readback["captures"] = rb.copy_captures(
                 len(iv.block_captures), iv.block_slots, iv.block_dtype
             )
-
-    def _copy_back(self, pending: PendingStep, sampled: SampledBatch) -> None:
-        """Start the step's one device→host copy: sampled ids (and requested logprobs) into a
-        pinned buffer, behind the step in the stream. Buffers of each kind alternate, so the
-        copy of step N+1 never overwrites step N's before the host has read it."""
-        packed = sampled.packed()
-        if self.device.type != "cuda":
-            pending.host = packed
-            return
-        kind = self._copy_buffers.setdefault(packed.dtype, [torch.empty(0), torch.empty(0)])
-        kind.reverse()
-        if kind[0].numel() < packed.numel():
-            kind[0] = torch.empty(2 * packed.numel(), dtype=packed.dtype, pin_memory=True)
-        host = kind[0][: packed.numel()]
-        host.copy_(packed, non_blocking=True)
-        pending.host = host
-        pending.copied = torch.cuda.Event()
-        pending.copied.record()
-
-    def _fill_placeholders(self, num_tokens: int) -> None:
-        """input_ids[i] = the previous step's sampled token for rows marked in `prev_rows`."""
-        assert self._prev_sampled is not None, "a placeholder token with no step before it"
-        sb = self.batch
-        assert sb is not None
-        ids = sb.dev["input_ids"][:num_tokens]
-        rows = sb.dev["prev_rows"][:num_tokens]
-        prev = self._prev_sampled[0][rows.clamp(min=0)]
-        ids.copy_(torch.where(rows >= 0, prev, ids))
 
     def _forward_eager(
         self, inputs: StepAttentionInputs, num_tokens: int, interventions: Any

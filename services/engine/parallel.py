@@ -32,6 +32,9 @@ class ParallelContext:
     # The all-reduce fused with the add and norm after it (`kernels/all_reduce_norm.py`;
     # EngineConfig.fused_all_reduce_norm), None: kept apart
     fused_norm: Any = None
+    # The first and last stages' pair group the sampled tokens travel in, with pipeline
+    # microbatches (`recent_tokens.py`; None: the default group, in turn with the stages)
+    token_group: Any = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
@@ -71,14 +74,19 @@ class ParallelContext:
         dist.recv(h, src=self.rank - self.tp_size)
         return h
 
-    def send_to_first_stage(self, token_ids: torch.Tensor) -> None:
+    def send_to_first_stage(self, token_ids: torch.Tensor) -> Any:
         """Last stage: hand a step's sampled token ids `[N]` (int64) to the same TP rank of
-        the first stage, which embeds them in the next step."""
-        dist.send(token_ids.contiguous(), dst=self.tp_rank)
+        the first stage, which embeds them in the step that feeds them back. With pipeline
+        microbatches that step comes later, so the send is left under way (gloo's would
+        hold the host until the receive): its work is returned, to be waited on."""
+        if self.token_group is None:
+            dist.send(token_ids.contiguous(), dst=self.tp_rank)
+            return None
+        return dist.isend(token_ids.contiguous(), dst=self.tp_rank, group=self.token_group)
 
     def recv_from_last_stage(self, n: int, device: torch.device) -> torch.Tensor:
         ids = torch.empty(n, dtype=torch.int64, device=device)
-        dist.recv(ids, src=(self.pp_size - 1) * self.tp_size + self.tp_rank)
+        dist.recv(ids, src=(self.pp_size - 1) * self.tp_size + self.tp_rank, group=self.token_group)
         return ids
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

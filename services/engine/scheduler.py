@@ -7,9 +7,10 @@ allow. When a running sequence needs a block and none is free, the most recently
 running sequence is preempted: its blocks are freed and it is recomputed later.
 
 Scheduled in `parts` M > 1 (overlapped steps of pipeline stages), a step takes at most
-⌈running / M⌉ running sequences and none whose sampled token is still in flight, so
+⌈running / M⌉ running sequences and none sampled by one of the M - 1 steps before it, so
 consecutive steps carry disjoint parts of the batch: while the last stage computes one
-part, the first stage computes the next, whose tokens reached the host a step earlier.
+part, the first stage computes the next, whose tokens it took from the last stage on the
+device (`recent_tokens.py`).
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self, parts: int = 1) -> SchedulerOutput:
-        """This step's sequences; `parts` > 1: one part of the batch (module docstring)."""
+    def schedule(self, parts: int = 1, step: int = 0) -> SchedulerOutput:
+        """Step `step`'s sequences; `parts` > 1: one part of the batch (module docstring)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
@@ -155,8 +156,9 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             # Its last token is still on the device; scheduled in parts, a sequence also
-            # waits until its token has reached the host.
-            if seq.final_pending or n == 0 or (parts > 1 and seq.num_pending):
+            # sits out the steps of the other parts, while its token is still being computed.
+            late = seq.num_pending and step - seq.pending_step < parts
+            if seq.final_pending or n == 0 or late:
                 i += 1
                 continue
             while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:

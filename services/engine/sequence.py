@@ -69,6 +69,7 @@ class Sequence:
         # Overlapped steps: tokens sampled by a step still on the GPU are held as
         # PLACEHOLDER at the end of `token_ids` until the engine accepts them.
         self.num_pending = 0
+        self.pending_step = 0  # the engine step that sampled its newest pending token
         self.final_pending = False  # its pending token ends it by length: schedule no more
 
     @property

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,14 @@ class PendingStep:
         # The step's interventions and the host copies of what the fused op wrote for them.
         self.interventions: StepInterventions | None = None
         self.readback: dict[str, torch.Tensor] = {}
+        # What must be queued before the step counts as done (a first pipeline stage's
+        # receive of the tokens it sent on, when a later launch has not taken them yet).
+        self.settle: Callable[[], None] | None = None
 
     def result(self) -> StepResult:
+        if self.settle is not None:
+            self.settle()
+            self.settle = None
         n = self.num_seqs
         result = StepResult([None] * n, [None] * n, self.prompt_logprobs)
         if self.copied is not None:
@@ -61,6 +68,35 @@ class PendingStep:
             result.sampled[i] = out.token_ids[j]
             result.logprobs[i] = out.logprobs[j]
         return result
+
+
+class HostCopies:
+    """Pinned host buffers a step's sampled ids (and asked logprobs) come back through,
+    per dtype, `ring` of each used in turn: a step's copy never overwrites one the host has
+    not read, with up to `ring - 1` later steps launched before it is (the engine's steps
+    in flight: one, or a pipeline's microbatches)."""
+
+    def __init__(self, device: torch.device, ring: int = 2):
+        self.device = device
+        self.ring = ring
+        self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def copy(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying `packed` to the host behind the step: (its host tensor, the
+        copy's event); on CPU, `packed` itself."""
+        if self.device.type != "cuda":
+            return packed, None
+        kind = self._buffers.setdefault(packed.dtype, [])
+        while len(kind) < self.ring:
+            kind.append(torch.empty(0))
+        kind.append(kind.pop(0))  # the oldest goes again
+        if kind[-1].numel() < packed.numel():
+            kind[-1] = torch.empty(2 * packed.numel(), dtype=packed.dtype, pin_memory=True)
+        host = kind[-1][: packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -138,7 +138,8 @@ def _logprob_gap(a: dict, b: dict) -> float:
 
 def test_pipeline_microbatches_decode_like_one_gpu(checkpoint):
     """`pipeline_microbatches=2` on two GPUs: overlapped decode steps carry disjoint halves
-    of the batch in turn, with one GPU's tokens and logprobs."""
+    of the batch in turn, two in flight (each half's tokens sent stage to stage over NCCL,
+    for its step after next), with one GPU's tokens and logprobs."""
     want = parallel_workload.microbatched(LLMEngine(checkpoint, CONFIG))
     config = dataclasses.replace(CONFIG, pipeline_microbatches=2)
     got = launch_local(
@@ -149,6 +150,7 @@ def test_pipeline_microbatches_decode_like_one_gpu(checkpoint):
     for rid, lps in want["logprobs"].items():
         for a, b in zip(got["logprobs"][rid], lps, strict=True):
             assert all(math.isclose(a[k], b[k], abs_tol=1e-3) for k in b)
+    assert got["depth"] == 2
     halves = got["steps"]
     assert len(halves) >= 4 and all(len(s) <= 3 for s in halves)
     assert all(not set(a) & set(b) for a, b in itertools.pairwise(halves))

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
+from services.engine.parallel import SINGLE_PROCESS
+from services.engine.recent_tokens import RecentTokens
 from services.engine.sampling_params import SamplingParams as Params
 from services.engine.scheduler import StepRequest
 from services.engine.sequence import PLACEHOLDER
@@ -303,7 +305,7 @@ def test_a_capture_or_patch_whose_positions_are_all_computed_lets_steps_overlap(
         while engine.has_unfinished_requests():
             for out in totals.finished(engine.step()):
                 done[out.request_id] = out
-            overlapped += engine._in_flight is not None
+            overlapped += bool(engine._in_flight)
         assert (overlapped > 0) == overlap
         results.append(done)
     with_overlap, without = results
@@ -443,7 +445,7 @@ def test_the_step_batch_holds_every_input_at_its_offset():
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.batch, runner.block_size, runner.scratch_slot = batch, block_size, 99
-    runner._prev_sampled = None
+    runner.ctx, runner.recent = SINGLE_PROCESS, RecentTokens()
     t, qsl, lens, fills = runner._build(reqs, pad_to=0)
     assert (t, qsl, lens, fills) == (6, [0, 3, 4, 6], [3, 6, 6], False)
     assert np_["input_ids"][:6].tolist() == [5, 6, 7, 8, 3, 4]
@@ -452,12 +454,22 @@ def test_the_step_batch_holds_every_input_at_its_offset():
     assert np_["logits_rows"][:3].tolist() == [2, 3, 5]
     assert np_["seq_lens"][:3].tolist() == [3, 6, 6]
     # a placeholder token reads the previous step's sampled row; padding writes scratch
-    runner._prev_sampled = (torch.tensor([42, 43]), {7: 1})
+    runner.recent.add(torch.tensor([42, 43]), {7: 1})
     t, qsl, lens, fills = runner._build([_req(7, [PLACEHOLDER], 2, [3])], pad_to=2)
     assert fills and np_["prev_rows"][:1].tolist() == [1] and np_["input_ids"][0] == 0
     assert np_["slot_mapping"][:2].tolist() == [14, 99] and np_["seq_lens"][:2].tolist() == [3, 0]
-    runner._fill_placeholders(t)
+    runner.recent.fill(batch.dev["input_ids"][:t], batch.dev["prev_rows"][:t])
     assert batch.dev["input_ids"][0].item() == 43
+    # two steps back (pipeline microbatches): each placeholder from the newest step that
+    # sampled its sequence, in the steps' tokens end to end
+    runner.recent.lookback = 2
+    runner.recent.add(torch.tensor([50, 51, 52]), {8: 0, 7: 2})
+    reqs = [_req(7, [PLACEHOLDER], 2, [3]), _req(9, [PLACEHOLDER], 2, [4])]
+    runner.recent.add(torch.tensor([60]), {9: 0})  # 9 in the newest, 7 in the one before
+    t, qsl, lens, fills = runner._build(reqs, pad_to=2)
+    assert np_["prev_rows"][:2].tolist() == [2, 3]
+    runner.recent.fill(batch.dev["input_ids"][:t], batch.dev["prev_rows"][:t])
+    assert batch.dev["input_ids"][:2].tolist() == [52, 60]
 
 
 def test_graph_buckets_cover_every_batch_size():

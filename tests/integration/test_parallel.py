@@ -123,8 +123,9 @@ def test_a_parallel_replica_overlaps_steps_like_one_process(checkpoint, tp, pp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_pipeline_microbatches_take_turns_and_decode_like_one_process(checkpoint, tp):
     """`pipeline_microbatches=2` on two stages: overlapped decode steps carry disjoint
-    halves of the batch in turn (the tokens of each reach the first stage through the host,
-    not stage to stage), and every request gets one process's tokens and logprobs."""
+    halves of the batch in turn, two of them in flight (a half's tokens reach the first
+    stage on the device, for its step after next), and every request gets one process's
+    tokens and logprobs."""
     want = parallel_workload.microbatched(LLMEngine(checkpoint, CONFIG))
     config = dataclasses.replace(CONFIG, pipeline_microbatches=2)
     got = launch_local(str(checkpoint), tp, 2, parallel_workload.microbatched, engine_config=config)
@@ -132,6 +133,7 @@ def test_pipeline_microbatches_take_turns_and_decode_like_one_process(checkpoint
     for rid, lps in want["logprobs"].items():
         _close_dicts(got["logprobs"][rid], lps)
     assert all(len(s) == 5 for s in want["steps"])  # one process: the whole batch each step
+    assert want["depth"] == 1 and got["depth"] == 2
     halves = got["steps"]
     assert len(halves) >= 4 and all(len(s) <= 3 for s in halves)
     for a, b in itertools.pairwise(halves):

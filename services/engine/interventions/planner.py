@@ -97,7 +97,8 @@ class CapturedBlock:
 
 class Readback:
     """Fixed device buffers the fused op writes for the host, and the pinned host buffers
-    they come back through (two of each, used in turn, as the step batch's).
+    they come back through (`ring` of each used in turn, as the sampled ids': one more than
+    the steps in flight).
 
     - `fired` [tokens] int32: gate bits each token fired this step;
     - `last_fired` [sequences] int32: the bits each sampled row of the step before fired
@@ -125,6 +126,7 @@ class Readback:
         hidden: int = 0,
         dtype: torch.dtype = torch.float32,
         host_rows: int = 0,
+        ring: int = 2,
     ):
         self.on_cuda = device.type == "cuda"
         i32 = torch.int32
@@ -154,10 +156,11 @@ class Readback:
             weakref.finalize(self, self.drain.stop)  # the thread ends with its readback
         self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._hosts: dict[str, list[torch.Tensor]] = {}
+        self.ring = ring
         if self.on_cuda:
             self._hosts = {
-                "fired": [torch.empty_like(self.fired, device="cpu").pin_memory() for _ in "ab"],
-                "scores": [torch.empty_like(self.scores, device="cpu").pin_memory() for _ in "ab"],
+                name: [torch.empty_like(t, device="cpu").pin_memory() for _ in range(ring)]
+                for name, t in (("fired", self.fired), ("scores", self.scores))
             }
         self._turn = 0
 
@@ -170,7 +173,7 @@ class Readback:
         asked for) to the host, behind the step; returns the host tensors (on CPU, copies
         taken now: the next step would overwrite the buffers)."""
         out = {}
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % self.ring
         for name, wanted, n in (("fired", fired, num_tokens), ("scores", scores, num_seqs)):
             if not wanted:
                 continue

@@ -128,40 +128,43 @@ def test_admit_hook_makes_the_queue_wait_in_order():
     assert [s.seq.group.request_id for s in _step(sched).scheduled] == ["a", "b", "c"]
 
 
-def _launch(sched: Scheduler, parts: int = 1):
-    """Schedule and launch an overlapped step: each sampling sequence holds a placeholder
-    for the token still on the device."""
-    out = sched.schedule(parts)
+def _launch(sched: Scheduler, parts: int = 1, step: int = 0):
+    """Schedule and launch overlapped step `step`: each sampling sequence holds a
+    placeholder for the token still on the device."""
+    out = sched.schedule(parts, step)
     sched.advance(out)
     for s in out.scheduled:
         if s.seq.num_computed == s.seq.num_tokens:
             s.seq.token_ids.append(PLACEHOLDER)
             s.seq.num_pending += 1
+            s.seq.pending_step = step
     return out
 
 
 def _accept(out, sampled: int = 7) -> None:
+    """A step's tokens reach the host: each takes its sequence's oldest placeholder."""
     for s in out.scheduled:
         if s.seq.num_pending:
-            s.seq.token_ids[-1] = sampled
+            s.seq.token_ids[len(s.seq.token_ids) - s.seq.num_pending] = sampled
             s.seq.num_pending -= 1
 
 
 def test_microbatches_split_overlapped_decodes_into_disjoint_parts():
-    """Two microbatches: steps alternate between halves of the running batch, each taking
-    only sequences whose last token reached the host; one microbatch takes them all."""
+    """Two microbatches, two steps in flight (the engine accepts a step after launching
+    the one two later): steps alternate between halves of the running batch, each taking
+    no sequence the step before sampled, though its own token from two steps back is still
+    a placeholder; one microbatch takes them all every step."""
     for microbatches, want in ((2, [set("abc"), set("de")] * 3), (1, None)):
         sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=100)
         for rid in "abcde":
             sched.add(_group(rid, 3))
         _accept(_launch(sched, microbatches))  # the prefills
-        got, previous = [], None
-        for _ in range(6):
-            out = _launch(sched, microbatches)  # before the previous step's tokens are in
-            if previous is not None:
-                _accept(previous)
-            previous = out
-            got.append({s.seq.group.request_id for s in out.scheduled})
+        got, in_flight = [], []
+        for step in range(1, 7):
+            in_flight.append(_launch(sched, microbatches, step))
+            if len(in_flight) > microbatches:  # before the later steps' tokens are in
+                _accept(in_flight.pop(0))
+            got.append({s.seq.group.request_id for s in in_flight[-1].scheduled})
         if want is None:  # every sequence waits for its placeholder: all of them each step
             assert got == [set("abcde")] * 6
         else:
