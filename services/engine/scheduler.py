@@ -157,7 +157,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             # Its last token is still on the device; scheduled in parts, a sequence also
             # sits out the steps of the other parts, while its token is still being computed.
-            late = seq.num_pending and step - seq.pending_step < parts
+            late = parts > 1 and seq.num_pending and step - seq.pending_step < parts
             if seq.final_pending or n == 0 or late:
                 i += 1
                 continue

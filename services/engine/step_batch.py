@@ -46,7 +46,7 @@ class PendingStep:
         self.interventions: StepInterventions | None = None
         self.readback: dict[str, torch.Tensor] = {}
         # What must be queued before the step counts as done (a first pipeline stage's
-        # receive of the tokens it sent on, when a later launch has not taken them yet).
+        # receive of the step's tokens from the last stage, if no later launch took them).
         self.settle: Callable[[], None] | None = None
 
     def result(self) -> StepResult:
