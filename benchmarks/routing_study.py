@@ -867,6 +867,7 @@ def readme_tables(records: Path = RECORDS) -> dict[str, str]:
         "cpu-lora": quarantine_table(
             load_records(records / "cpu.jsonl"), load_records(records / "cpu-lora.jsonl")
         ),
+        "cpu-carry-designs": tables(load_records(records / "cpu-carry-designs.jsonl")),
     }
 
 
