@@ -108,7 +108,7 @@ class ModelRunner:
         self.ctx = ctx
         # The last stage sends each step's sampled tokens to the first on the device, for
         # the placeholders of the step that feeds them back (`recent_tokens.py`).
-        self.hands_off_tokens = ctx.pp_size > 1
+        self._recv_tokens = functools.partial(ctx.recv_from_last_stage, device=device)
         # Whether capture blocks come back to the host: not on the ranks of a parallel
         # replica that deliver no outputs (`StepSync.attach`), whose graphs still fill them.
         self.copies_captures = True
@@ -437,10 +437,9 @@ class ModelRunner:
         previous one's tokens reach the host."""
         n = len(reqs)
         self.num_launches += 1
-        recv = functools.partial(self.ctx.recv_from_last_stage, device=self.device)
-        handoff = self.ctx.pp_size > 1 and self.ctx.is_first_stage and self.hands_off_tokens
+        handoff = self.ctx.pp_size > 1 and self.ctx.is_first_stage  # takes the last's tokens
         if handoff and self.recent.lookback > 1:  # the tokens of the step M launches back
-            self.recent.receive_through(self.num_launches - self.recent.lookback, recv)
+            self.recent.receive_through(self.num_launches - self.recent.lookback, self._recv_tokens)
         adapted = False
         if self.adapters is not None:
             self._refresh_graphs()
@@ -496,7 +495,9 @@ class ModelRunner:
                 # reach any host (taken now with one part a step, else that step's launch).
                 seq_rows = {reqs[i].seq_id: j for j, i in enumerate(sample_rows)}
                 self.recent.expect(self.num_launches, len(sample_rows), seq_rows)
-                take = functools.partial(self.recent.receive_through, self.num_launches, recv)
+                take = functools.partial(
+                    self.recent.receive_through, self.num_launches, self._recv_tokens
+                )
                 if self.recent.lookback == 1:
                     take()
                 else:  # by `result()` at the latest: every send is received, in order
@@ -514,8 +515,9 @@ class ModelRunner:
             )
             pending.sampled = sampled = sample(logits, meta)
             pending.host, pending.copied = self.copies.copy(sampled.packed())
-            self.recent.add(sampled.token_ids, {q.seq_id: j for j, q in enumerate(picked)})
-            if not self.ctx.is_first_stage and self.hands_off_tokens:  # embedded later
+            if self.ctx.is_first_stage:  # it embeds them: placeholders read them there
+                self.recent.add(sampled.token_ids, {q.seq_id: j for j, q in enumerate(picked)})
+            else:  # a pipeline's last stage: the first embeds them, later
                 self.recent.sent(self.ctx.send_to_first_stage(sampled.token_ids))
         for i, q in enumerate(reqs):
             if q.prompt_logprobs is None or hidden is None:
