@@ -103,6 +103,8 @@ def init_replica(
             group = dist.new_group(pair, timeout=IDLE_TIMEOUT)
             if rank in pair:
                 token_group = group
+        if token_group is not None:
+            _meet_token_peer(token_group, rank, tp_size, device_type)
     symmetric = fused = None
     if device_type == "cuda" and tp_size > 1:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -124,6 +126,19 @@ def init_replica(
         token_group=token_group,
     )
     return ctx, StepSync(ctx, objects)
+
+
+def _meet_token_peer(group: Any, rank: int, tp_size: int, device_type: str) -> None:
+    """Send one token id from a last-stage rank to its first-stage peer over their pair group,
+    now, while both are here. NCCL makes a pair's communicator at its first send and receive,
+    and that meets the peer: left to the first step, the last stage would wait in its send
+    while the first stage waits in the next step's broadcast for it."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu"
+    probe = torch.zeros(1, dtype=torch.int64, device=device)
+    if rank < tp_size:
+        dist.recv(probe, src=dist.get_process_group_ranks(group)[1], group=group)
+    else:
+        dist.send(probe, dst=rank % tp_size, group=group)
 
 
 class StepSync:
