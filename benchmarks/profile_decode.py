@@ -9,13 +9,20 @@ On a generated Qwen3-0.6B-shaped checkpoint (context 512), for each batch size i
 - the kernels executed per step and the CUDA API calls per step (`torch.profiler`);
 - how many sync warnings `torch.cuda.set_sync_debug_mode("warn")` raised over 5 steps.
 
-    PYTHONPATH=. python3 benchmarks/profile_decode.py        # CUDA only
+Requests are sent as `coxswain serve`'s front end sends them: with `detokenize=False`, since
+that process decodes the text (`services/engine/detokenizer.py`); `--engine-detokenizes`
+measures the engine decoding it, as `LLM.generate` has it. `--device cpu` times the host's
+stages only, on a two-layer model (the forward small beside the host's work).
+
+    PYTHONPATH=. python3 benchmarks/profile_decode.py
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --device cpu --engine-detokenizes
 
 Prints numbers only; it is never a pass/fail test.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import random
 import tempfile
@@ -85,21 +92,56 @@ def stage_times(totals: dict[str, float]) -> Iterator[None]:
             setattr(cls, name, f)
 
 
+def kernels_and_syncs(engine: LLMEngine) -> None:
+    """Print the kernels and CUDA API calls of a decode step, and the syncs of five."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        for _ in range(5):
+            engine.step()
+        torch.cuda.set_sync_debug_mode("default")
+    # Not "synchroniz" alone: the once-per-process notice that the debug mode is a
+    # prototype says "Synchronization" too, and is no sync.
+    syncs = sum("synchronizing cuda operation" in str(w.message).lower() for w in caught)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    api = {e.key: e.count / 10 for e in events if e.key.startswith("cu") and e.count >= 5}
+    calls = ", ".join(f"{k} {v:g}" for k, v in sorted(api.items()))
+    print(f"  {kernels / 10:.0f} kernels/step; sync warnings in 5 steps: {syncs}")
+    print(f"  CUDA API calls per step: {calls}")
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--engine-detokenizes", action="store_true")
+    p.add_argument("--batch-sizes", default="1,32,128")
+    args = p.parse_args()
+    cuda = args.device == "cuda"
     step_batch.PendingStep.result = _timed_result  # count the time blocked on the device
+    shape = dict(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072)
+    if not cuda:
+        shape = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)
     path = make_tiny_checkpoint(
-        tempfile.mkdtemp() + "/m", "qwen3", layers=28, hidden=1024, heads=16, kv_heads=8,
-        head_dim=128, intermediate=3072, vocab=151936, max_position_embeddings=2048,
-        dtype="bfloat16",
+        tempfile.mkdtemp() + "/m", "qwen3", **shape, vocab=151936, max_position_embeddings=2048,
+        dtype="bfloat16" if cuda else "float32",
     )  # fmt: skip
     cfg = EngineConfig(
-        device="cuda", dtype="bfloat16", max_num_seqs=128, max_num_batched_tokens=8192,
-        max_model_len=1024, enable_prefix_caching=False,
+        device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=128,
+        max_num_batched_tokens=8192, max_model_len=1024, enable_prefix_caching=False,
     )  # fmt: skip
     engine = LLMEngine(path, cfg)
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    for batch in (1, 32, 128):
+    params = SamplingParams(
+        max_tokens=400, temperature=0.0, ignore_eos=True, detokenize=args.engine_detokenizes
+    )
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    print(f"text decoded by {'the engine' if args.engine_detokenizes else 'the front end'}")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
         rids = [f"{batch}-{i}" for i in range(batch)]
         for rid in rids:
             engine.add_request(rid, [rng.randrange(100, 150000) for _ in range(512)], params)
@@ -107,34 +149,17 @@ def main() -> None:
             engine.step()
         for _ in range(4):
             engine.step()
-        torch.cuda.synchronize()
+        sync()
         waited[0], n = 0.0, 64
         t = time.perf_counter()
         for _ in range(n):
             engine.step()
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t) / n
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            for _ in range(5):
-                engine.step()
-            torch.cuda.set_sync_debug_mode("default")
-        # Not "synchroniz" alone: the once-per-process notice that the debug mode is a
-        # prototype says "Synchronization" too, and is no sync.
-        syncs = sum("synchronizing cuda operation" in str(w.message).lower() for w in caught)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                engine.step()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        api = {e.key: e.count / 10 for e in events if e.key.startswith("cu") and e.count >= 5}
         host_ms = 1e3 * (wall - waited[0] / n)
-        calls = ", ".join(f"{k} {v:g}" for k, v in sorted(api.items()))
         print(f"batch {batch}: {wall * 1e3:.2f} ms/step, host busy {host_ms:.2f} ms")
-        print(f"  {kernels / 10:.0f} kernels/step; sync warnings in 5 steps: {syncs}")
-        print(f"  CUDA API calls per step: {calls}")
+        if cuda:
+            kernels_and_syncs(engine)
         totals: dict[str, float] = collections.defaultdict(float)
         with stage_times(totals):
             for _ in range(n):

@@ -1,7 +1,8 @@
 """What a step's sampled tokens do to their requests, and what a request reports back.
 
 `OutputProcessor` takes each sampled token into its sequence (in place of the placeholder
-an overlapped step left), decodes the text it adds from a short window of recent tokens,
+an overlapped step left), decodes the text it adds from a short window of recent tokens
+(`detokenizer.decode_window`; not for a request sent with `detokenize=False`),
 checks the stop conditions (EOS and stop tokens, stop strings, length), and builds each
 request's `RequestDelta`: what it did since its last one, holding back text a stop string
 could still cut. The engine calls it on its own thread, after every step.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.engine.detokenizer import decode_window
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.outputs import CompletionDelta, RequestDelta
 from services.engine.scheduler import Scheduler
@@ -50,9 +52,14 @@ class OutputProcessor:
             seq.unsent_readouts.append(readouts or {})
         group = seq.group
         params = group.params
-        prev_len = len(seq.text)
-        seq.text += self.decode_increment(seq)
         length = len(ids) - pending  # accepted tokens, prompt included
+        prev_len = len(seq.text)
+        if params.detokenize:
+            text, seq.prefix_offset, seq.read_offset = decode_window(
+                self.tokenizer, ids, seq.prefix_offset, seq.read_offset, length,
+                params.skip_special_tokens,
+            )  # fmt: skip
+            seq.text += text
         if token in group.eos_token_ids or token in params.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
         elif params.stop and self.check_stop_strings(seq, prev_len):
@@ -64,23 +71,6 @@ class OutputProcessor:
         if seq.num_pending and seq.is_finished:  # a token computed past the end: drop it
             del ids[-seq.num_pending :]
             seq.num_pending = 0
-
-    def decode_increment(self, seq: Sequence) -> str:
-        """The text the newest token adds, decoding only a short window of recent tokens.
-
-        Both strings are decoded from the same starting token, so tokenizers that drop a
-        leading space at the start of a decode affect them alike. A byte-level token can end
-        mid-character: then nothing is emitted until the character completes.
-        """
-        skip = seq.group.params.skip_special_tokens
-        ids, start = seq.token_ids, seq.prefix_offset
-        end = len(ids) - seq.num_pending  # slices of the window only: ids is the whole text
-        prefix = self.tokenizer.decode(ids[start : seq.read_offset], skip)
-        full = self.tokenizer.decode(ids[start:end], skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        seq.prefix_offset, seq.read_offset = seq.read_offset, end
-        return full[len(prefix) :]
 
     def check_stop_strings(self, seq: Sequence, prev_len: int) -> bool:
         params = seq.group.params

@@ -41,6 +41,10 @@ class SamplingParams:
     logprob_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: the engine decodes no text (deltas and outputs carry token ids, and empty text);
+    # for callers that need ids only, and front ends that decode in their own process
+    # (`services/engine/detokenizer.py`). Stop strings need the text.
+    detokenize: bool = True
     steering: Any = None  # SteeringSpec or its dict form
     capture: Any = None  # CaptureSpec or its dict form
     readouts: Any = None  # list of Readout or their dict forms
@@ -100,6 +104,8 @@ class SamplingParams:
                 raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise bad("stop strings are matched in the generated text: they need detokenize")
         if self.adapter_variant not in ("trained", "deploy"):
             raise bad(f"adapter_variant must be trained or deploy, not {self.adapter_variant!r}")
         for name in ("stop_token_ids", "logprob_token_ids"):

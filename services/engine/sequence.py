@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from services.engine.detokenizer import PROMPT_WINDOW
 from services.engine.sampling_params import SamplingParams
 
 
@@ -55,9 +56,10 @@ class Sequence:
             [] if group.params.logprobs is not None or group.params.logprob_token_ids else None
         )
         self.unsent_readouts: list[dict[str, float]] | None = [] if group.params.readouts else None
-        # Incremental detokenization window: decode ids[prefix_offset:] and subtract the
-        # text of ids[prefix_offset:read_offset]. Starts a few prompt tokens back.
-        self.prefix_offset = max(0, self.num_prompt_tokens - 5)
+        # Incremental detokenization window (`detokenizer.decode_window`): decode
+        # ids[prefix_offset:] and subtract the text of ids[prefix_offset:read_offset].
+        # Starts a few prompt tokens back.
+        self.prefix_offset = max(0, self.num_prompt_tokens - PROMPT_WINDOW)
         self.read_offset = self.num_prompt_tokens
         self.generator: torch.Generator | None = None  # set by the engine for seeded requests
         # The steering signature each computed position's KV was made under (b"": none).

@@ -35,8 +35,17 @@ class EngineLinks:
         self._seen: set[str] = set()  # replicas linked, or whose link failed or broke
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.tokenizer: Any = None  # the links decode generated text here (`set_tokenizer`)
         self.refresh()
         threading.Thread(target=self._run, name="engine-links", daemon=True).start()
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Decode the text of generations here, on every link (`ProcessBackend`'s
+        `tokenizer`), not on the engines' threads."""
+        with self._lock:
+            self.tokenizer = tokenizer
+            for link in self._links.values():
+                link.tokenizer = tokenizer
 
     def _run(self) -> None:
         while not self._stop.wait(self.refresh_s):
@@ -69,6 +78,7 @@ class EngineLinks:
                 log.warning("engine links: replica %s at %s: %s", replica, address, exc)
                 continue
             with self._lock:
+                link.tokenizer = self.tokenizer  # set meanwhile, perhaps
                 self._links[replica] = link
         self._seen &= live.keys()
 

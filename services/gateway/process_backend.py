@@ -47,6 +47,7 @@ from services.common.errors import (
     ServiceUnavailableError,
 )
 from services.engine.async_llm import DeltaStream
+from services.engine.detokenizer import detokenize_here
 from services.engine.model.tokenizer import Tokenizer
 from services.engine.outputs import RequestDelta
 from services.engine.sampling_params import SamplingParams
@@ -309,8 +310,13 @@ class ProcessBackend:
     has not taken; closing it early aborts the request.
     """
 
-    def __init__(self, address: BackendAddress, model_dir: str | Path | None):
-        """`model_dir`: where the renderer reads the tokenizer (None: the caller renders)."""
+    def __init__(
+        self, address: BackendAddress, model_dir: str | Path | None, tokenizer: Any = None
+    ):
+        """`model_dir`: where the renderer reads the tokenizer (None: the caller renders).
+        With a tokenizer (read from `model_dir`, or `tokenizer`), this process decodes the
+        text of generations without stop strings (`detokenizer.detokenize_here`), which
+        takes that work off the engine's thread; without one the engine decodes it."""
         try:
             self._conn = Client(address.path, address.family, authkey=address.authkey)
         except OSError as exc:
@@ -330,7 +336,9 @@ class ProcessBackend:
         # The renderer needs the tokenizer here (token texts for logprobs); the files are the
         # engine's, read from the same local checkpoint directory.
         if model_dir is not None:
-            self.engine = SimpleNamespace(tokenizer=Tokenizer(model_dir))
+            tokenizer = Tokenizer(model_dir)
+            self.engine = SimpleNamespace(tokenizer=tokenizer)
+        self.tokenizer = tokenizer
 
     @property
     def num_streams(self) -> int:
@@ -402,10 +410,13 @@ class ProcessBackend:
             raise DuplicateRequestError(f"request id {rid!r} is already in use")
         stream = self._streams[rid] = DeltaStream(asyncio.get_running_loop())
         finished = False
+        params, detokenizer = detokenize_here(params, self.tokenizer)
         try:
             self._send(("generate", rid, prompt, params))
             async for delta in stream.read():
                 finished = delta.finished
+                if detokenizer is not None:
+                    detokenizer.fill(delta)
                 yield delta
         finally:
             self._streams.pop(rid, None)

@@ -65,6 +65,8 @@ class RemoteEngine:
         for name, data in files.items():
             (Path(self._tokdir.name) / name).write_bytes(data)
         self.engine = SimpleNamespace(tokenizer=Tokenizer(self._tokdir.name))
+        if links is not None:  # this process decodes their generations' text
+            links.set_tokenizer(self.engine.tokenizer)
         self._streams: dict[str, Any] = {}
 
     # Routes run sync methods in a thread pool; the gRPC front may call them on its loop,

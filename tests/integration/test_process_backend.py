@@ -97,6 +97,33 @@ def test_completions_over_the_process_front_end_match_the_in_process_one(remote,
     assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
+def test_the_front_end_decodes_the_text_the_engine_would_have(remote, local, service):
+    """Generations without stop strings leave the engine without text (this process decodes
+    it: `detokenizer.py`) and reach the client with the in-process server's text; with a
+    stop string the engine decodes it, to match the string, and stops there."""
+    seen: dict[str, list[str]] = {}
+
+    def listen(deltas: list) -> None:
+        for d in deltas:
+            seen.setdefault(d.request_id, []).extend(s.text for s in d.samples)
+
+    service.llm.add_listener(listen)
+    body = {"prompt": "the quick brown", "max_tokens": 16, "temperature": 0}
+    got, want = remote.post("/v1/completions", json=body), local.post("/v1/completions", json=body)
+    assert got.status_code == want.status_code == 200, got.text
+    text = want.json()["choices"][0]["text"]
+    assert got.json()["choices"][0]["text"] == text and len(text) > 4
+    stop = text[2:4]
+    stopped = remote.post("/v1/completions", json=body | {"stop": [stop]})
+    assert stopped.json()["choices"][0]["text"] == text[: text.index(stop)]
+    assert stopped.json()["choices"][0]["finish_reason"] == "stop"
+    service.llm._listeners.remove(listen)
+    engine_texts = ["".join(t) for t in seen.values()]
+    assert "" in engine_texts  # the front end's plain request: decoded there
+    assert text in engine_texts  # the in-process server's: decoded by the engine
+    assert text[: text.index(stop)] in engine_texts  # the stop string's: by the engine
+
+
 def test_errors_keep_their_status_and_message_and_the_server_serves_on(remote, service):
     too_long = remote.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 250})
     assert too_long.status_code == 400

@@ -229,6 +229,7 @@ def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
             include_stop_str_in_output=p.include_stop_str_in_output,
             logprob_token_ids=p.logprob_token_ids,
             skip_special_tokens=p.skip_special_tokens,
+            detokenize=p.detokenize,
             readouts=[_readout_to_proto(r, f"readouts[{i}]") for i, r in enumerate(p.readouts)],
             patch=[_patch_to_proto(e, f"patch[{i}]") for i, e in enumerate(p.patch)],
         )
@@ -274,6 +275,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         "logprobs",
         "prompt_logprobs",
         "skip_special_tokens",
+        "detokenize",
         "conversation_id",
         "adapter",
     ):

@@ -36,6 +36,7 @@ NON_DEFAULT: dict[str, object] = {
     "logprob_token_ids": [5, 6],
     "prompt_logprobs": 2,
     "skip_special_tokens": False,
+    "detokenize": False,  # with stop strings refused: see APART
     "steering": {
         "vectors": [{"site": "post_attn", "layers": [1], "vector": "v", "scale": 2.0}],
         "gates": [
@@ -58,7 +59,11 @@ NON_DEFAULT: dict[str, object] = {
 # Fields an OpenAI request body cannot carry, and why.
 NOT_IN_OPENAI_BODIES = {
     "prompt_logprobs": "an OpenAI response has no place for prompt logprobs; use gRPC or Python",
+    "detokenize": "an OpenAI response is its text; token ids alone come over gRPC or Python",
 }
+# `detokenize=False` refuses stop strings (they are matched in the text), so it is set in a
+# request of its own, whose stop strings keep their default.
+APART = {"detokenize": NON_DEFAULT["detokenize"], "stop": []}
 
 
 # Every field of every nested model (steering, gates, capture, read-outs, patches) away from
@@ -145,22 +150,26 @@ def _every_field_set() -> SamplingParams:
     fields = [f.name for f in dataclasses.fields(SamplingParams)]
     missing = [name for name in fields if name not in NON_DEFAULT]
     assert not missing, f"give these new SamplingParams fields a non-default value: {missing}"
-    params = SamplingParams(**{name: NON_DEFAULT[name] for name in fields})
+    params = SamplingParams(**{name: NON_DEFAULT[name] for name in fields if name != "detokenize"})
     default = SamplingParams()
     same = [name for name in fields if getattr(params, name) == getattr(default, name)]
-    assert not same, f"these values are the defaults, so they prove nothing: {same}"
+    assert same == ["detokenize"], f"these values are the defaults, so they prove nothing: {same}"
     return params
 
 
-def test_every_field_round_trips_through_protobuf():
+@pytest.mark.parametrize("apart", [False, True])
+def test_every_field_round_trips_through_protobuf(apart):
     params = _every_field_set()
+    if apart:
+        params = dataclasses.replace(params, **APART)
     back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(params))
     for f in dataclasses.fields(SamplingParams):
         assert getattr(back, f.name) == getattr(params, f.name), f.name
 
 
 def test_every_nested_field_round_trips_through_protobuf():
-    requests = [SamplingParams(**{**NON_DEFAULT, **nested}) for nested in NESTED]
+    together = {k: v for k, v in NON_DEFAULT.items() if k != "detokenize"}  # see APART
+    requests = [SamplingParams(**{**together, **nested}) for nested in NESTED]
     values = [getattr(p, f.name) for p in requests for f in dataclasses.fields(p)]
     left = _nested_fields_left_at_default(values)
     assert not left, f"set these nested fields apart from their defaults in NESTED: {left}"

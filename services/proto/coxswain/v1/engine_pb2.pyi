@@ -199,7 +199,7 @@ class PatchEntry(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., site: _Optional[str] = ..., position: _Optional[int] = ..., alpha: _Optional[float] = ..., source: _Optional[_Union[PatchSource, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "logprob_token_ids", "prompt_logprobs", "skip_special_tokens", "steering", "capture", "readouts", "patch", "conversation_id", "adapter", "adapter_variant")
+    __slots__ = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "logprob_token_ids", "prompt_logprobs", "skip_special_tokens", "steering", "capture", "readouts", "patch", "conversation_id", "adapter", "adapter_variant", "detokenize")
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class SamplingParams(_message.Message):
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VARIANT_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     n: int
     max_tokens: int
     temperature: float
@@ -244,7 +245,8 @@ class SamplingParams(_message.Message):
     conversation_id: str
     adapter: str
     adapter_variant: str
-    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., include_stop_str_in_output: bool = ..., logprobs: _Optional[int] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: bool = ..., steering: _Optional[_Union[SteeringSpec, _Mapping]] = ..., capture: _Optional[_Union[CaptureSpec, _Mapping]] = ..., readouts: _Optional[_Iterable[_Union[Readout, _Mapping]]] = ..., patch: _Optional[_Iterable[_Union[PatchEntry, _Mapping]]] = ..., conversation_id: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_variant: _Optional[str] = ...) -> None: ...
+    detokenize: bool
+    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., include_stop_str_in_output: bool = ..., logprobs: _Optional[int] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: bool = ..., steering: _Optional[_Union[SteeringSpec, _Mapping]] = ..., capture: _Optional[_Union[CaptureSpec, _Mapping]] = ..., readouts: _Optional[_Iterable[_Union[Readout, _Mapping]]] = ..., patch: _Optional[_Iterable[_Union[PatchEntry, _Mapping]]] = ..., conversation_id: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_variant: _Optional[str] = ..., detokenize: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "params", "request_id")
