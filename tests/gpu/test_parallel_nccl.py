@@ -96,17 +96,24 @@ def test_parallel_decode_replays_graphs_like_one_gpu(checkpoint, tp, pp):
             torch.testing.assert_close(g["captures"][key], t, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, dtype):
-    """`fused_all_reduce_norm`: a TP=2 replica whose plain steps all-reduce inside the norm
+@pytest.mark.parametrize("tp,dtype", [(2, "float32"), (2, "bfloat16"), (4, "bfloat16")])
+def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, tmp_path, tp, dtype):
+    """`fused_all_reduce_norm`: a TP replica whose plain steps all-reduce inside the norm
     after each sub-block (one kernel over symmetric memory, in the decode graphs too) gives
-    the tokens and logprobs of a TP=2 replica that keeps them apart, and of one GPU."""
+    the tokens and logprobs of a TP replica that keeps them apart, and of one GPU. Four
+    ranks push their rows to three peers each (the 70B shape's TP=4)."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA devices")
+    if tp == 4:  # every rank keeps whole KV heads
+        checkpoint = make_tiny_checkpoint(
+            tmp_path, "llama", layers=parallel_workload.LAYERS, hidden=128, heads=8, kv_heads=4
+        )
     config = dataclasses.replace(CONFIG, dtype=dtype)
     fused = dataclasses.replace(config, fused_all_reduce_norm=True)
     one = parallel_workload.plain_decode(LLMEngine(checkpoint, config))
     # A wrong barrier hangs the ranks: fail in minutes rather than the default ten.
     apart, together = (
-        launch_local(str(checkpoint), 2, 1, parallel_workload.plain_decode, engine_config=c,
+        launch_local(str(checkpoint), tp, 1, parallel_workload.plain_decode, engine_config=c,
                      device_type="cuda", timeout_s=240)
         for c in (config, fused)
     )  # fmt: skip
