@@ -54,6 +54,7 @@ already in `--jsonl` and trains the rest.
 
     python3 benchmarks/routing_study.py --quick          # 3 bases x 2 seeds, ~29 min, 2 cores
     python3 benchmarks/routing_study.py --device cuda --jobs 8   # 3 bases x 10 seeds, the headline
+    python3 benchmarks/routing_study.py --device cuda --jobs 32  # the same over 4 GPUs, 8 each
     python3 benchmarks/routing_study.py --from-jsonl runs/routing_study.jsonl
     python3 benchmarks/routing_study.py --update-readme  # the README's tables, from the records
 """
@@ -405,7 +406,14 @@ def train(config: GRPOConfig) -> tuple[list[dict], float]:
     return history, time.perf_counter() - t0
 
 
-def _worker_threads(threads: int) -> None:
+def _worker_setup(threads: int, started: Any, gpus: int) -> None:
+    """A `--jobs` worker's share of the host: `threads` CPU threads and, on a host with
+    several GPUs, one GPU of them, taken in turn (before the worker touches CUDA, so that
+    `cuda` means that GPU in the engine and the trainer alike)."""
+    if gpus > 1:
+        with started.get_lock():
+            index, started.value = started.value, started.value + 1
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
     import torch
 
     torch.set_num_threads(threads)
@@ -510,11 +518,17 @@ def run_study(args: argparse.Namespace) -> list[dict]:
     if args.jobs > 1:
         import multiprocessing
 
+        import torch
+
+        spawn = multiprocessing.get_context("spawn")  # CUDA does not survive fork
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        if gpus > 1:
+            print(f"--jobs {args.jobs} over {gpus} GPUs, {threads} CPU threads each")
         pool = ProcessPoolExecutor(
             max_workers=args.jobs,
-            mp_context=multiprocessing.get_context("spawn"),  # CUDA does not survive fork
-            initializer=_worker_threads,
-            initargs=(threads,),
+            mp_context=spawn,
+            initializer=_worker_setup,
+            initargs=(threads, spawn.Value("i", 0), gpus),
         )
     try:
         if missing:
@@ -1008,8 +1022,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--jobs",
         type=int,
         default=1,
-        help="runs trained at once, each in its own process (they share the GPU and split "
-        "the CPU cores)",
+        help="runs trained at once, each in its own process (they split the CPU cores and, "
+        "on a host with several GPUs, take them in turn)",
     )
     ap.add_argument(
         "--resume",
