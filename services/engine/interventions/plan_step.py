@@ -60,6 +60,7 @@ class StepPlanner:
         `dynamic_gain`: the dynamic tier's gain; `consumers`: sync consumers are attached
         (they see every step), reading the residual at `view_sites`."""
         self.steps += 1
+        self.tables.flush()  # the rows admitted since the last step, before it reads them
         decode_only = True
         capturers: list[tuple[int, Any]] = []  # (request index, its capture)
         for i, s in enumerate(sched.scheduled):

@@ -17,7 +17,6 @@ count is one past the highest column in use).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import torch
 
@@ -120,6 +119,7 @@ class SteeringTables:
         # How many installed things read each (layer, site): the kernel runs where > 0.
         self.site_use: Counter[SiteKey] = Counter()
         self.dynamic: dict[SiteKey, torch.Tensor] = {}  # host copies, for snapshots
+        self._pending: dict[int, RowContent] = {}  # rows written since the last `flush`
         self.monitors: dict[SiteKey, dict] = {}
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -142,43 +142,76 @@ class SteeringTables:
         dst.copy_(src, non_blocking=True)
 
     def write_row(self, row: int, content: RowContent) -> None:
-        """Fill a row acquired from a pool: one copy per site for the vectors of every
-        layer, and per gated site one copy for each gate table. A free row is zero at every
-        layer, and the copies write every layer of the row (zero where `content` has
-        nothing), which keeps it so."""
-        L, H = self.num_layers, self.hidden_size
-        by_site: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for (layer, site), v in content.vectors.items():
-            by_site.setdefault(site, []).append((layer, v))
-        for site, entries in by_site.items():
-            staged = self._staging(L, H, dtype=self.dtype)
-            for layer, v in entries:
-                staged[layer] = v
-            self._upload(self.vec[site][:, row], staged)
-        gates_by_site: dict[str, list[tuple[int, Any]]] = {}
-        for (layer, site), g in content.gates.items():
-            gates_by_site.setdefault(site, []).append((layer, g))
-        for site, entries in gates_by_site.items():
-            probe = self._staging(L, H, dtype=self.dtype)
-            vec = self._staging(L, H, dtype=self.dtype)
-            params = self._staging(L, 7, dtype=torch.float32)
-            for layer, g in entries:
-                probe[layer], vec[layer] = g.probe, g.vector
-                params[layer] = torch.tensor(
-                    [1.0, g.threshold, g.sharpness, g.scale, float(g.attenuate), g.bit, g.latch]
-                )
-            self._upload(self.gate_probe[site][:, row], probe)
-            self._upload(self.gate_vec[site][:, row], vec)
-            self._upload(self.gate_params[site][:, row], params)
+        """Fill a row acquired from a pool. The vectors and gates reach the device with every
+        other row written since, before the next step that reads the tables (`flush`); the
+        row's scale is 1 from now. A free row is zero at every layer, and `flush` writes
+        every layer of the row at each site `content` has (zero where it has nothing),
+        which keeps it so."""
+        self._pending[row] = content
         self.site_use.update(content.sites())
         self.set_row_scale(row, 1.0)
 
+    def flush(self) -> None:
+        """Copy the rows written since the last flush to the device: per table and site,
+        one host→device copy of all of them and one scatter into their rows. Row by row, on
+        CUDA, each write page-locked a staging block of its own while the step in flight
+        held the last one: a few hundred µs a row, on the engine thread."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        L, H = self.num_layers, self.hidden_size
+        vector_rows: dict[str, list[tuple[int, RowContent]]] = {}
+        gate_rows: dict[str, list[tuple[int, RowContent]]] = {}
+        for row, content in pending.items():
+            for site in {site for _, site in content.vectors}:
+                vector_rows.setdefault(site, []).append((row, content))
+            for site in {site for _, site in content.gates}:
+                gate_rows.setdefault(site, []).append((row, content))
+        for site, entries in vector_rows.items():
+            staged = self._staging(len(entries), L, H, dtype=self.dtype)
+            for i, (_, content) in enumerate(entries):
+                layers: dict[int, tuple[torch.Tensor, list[int]]] = {}
+                for (layer, s), v in content.vectors.items():
+                    if s == site:  # a vector given for many layers is one tensor: one copy
+                        layers.setdefault(id(v), (v, []))[1].append(layer)
+                for v, at in layers.values():
+                    staged[i, at] = v
+            self._scatter(self.vec[site], [row for row, _ in entries], staged)
+        for site, entries in gate_rows.items():
+            probe = self._staging(len(entries), L, H, dtype=self.dtype)
+            vec = self._staging(len(entries), L, H, dtype=self.dtype)
+            params = self._staging(len(entries), L, 7, dtype=torch.float32)
+            for i, (_, content) in enumerate(entries):
+                for (layer, s), g in content.gates.items():
+                    if s != site:
+                        continue
+                    probe[i, layer], vec[i, layer] = g.probe, g.vector
+                    params[i, layer] = torch.tensor(
+                        [1.0, g.threshold, g.sharpness, g.scale, float(g.attenuate), g.bit,
+                         g.latch]
+                    )  # fmt: skip
+            rows = [row for row, _ in entries]
+            self._scatter(self.gate_probe[site], rows, probe)
+            self._scatter(self.gate_vec[site], rows, vec)
+            self._scatter(self.gate_params[site], rows, params)
+
+    def _scatter(self, table: torch.Tensor, rows: list[int], staged: torch.Tensor) -> None:
+        """`table[:, rows[i]] = staged[i]` for a `[L, R, X]` table and `[n, L, X]` staged
+        host rows: one copy up, one scatter."""
+        index = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":  # from pinned memory: no wait for the step in flight
+            staged = staged.to(self.device, non_blocking=True)
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        table.index_copy_(1, index, staged.transpose(0, 1))
+
     def clear_row(self, row: int, content: RowContent) -> None:
-        """Zero the row at every site `content` wrote (one fill a site, all layers)."""
-        for site in {site for _, site in content.vectors}:
-            self.vec[site][:, row] = 0
-        for site in {site for _, site in content.gates}:
-            self.gate_params[site][:, row] = 0
+        """Zero the row at every site `content` wrote (one fill a site, all layers); a row
+        written since the last flush never reached the device, which still holds zeros."""
+        if self._pending.pop(row, None) is None:
+            for site in {site for _, site in content.vectors}:
+                self.vec[site][:, row] = 0
+            for site in {site for _, site in content.gates}:
+                self.gate_params[site][:, row] = 0
         self.site_use.subtract(content.sites())
         self.set_row_scale(row, 1.0)
 

@@ -30,6 +30,7 @@ def test_tables_track_which_sites_need_the_kernel():
     content = row_content({(1, "post_attn"): torch.ones(4)}, {})
     t.write_row(3, content)
     assert t.active_sites() == {(1, "post_attn")}
+    t.flush()  # what the next step's plan does first
     assert torch.equal(t.site_args(1, "post_attn")["vec"][3], torch.ones(4))
     t.clear_row(3, content)
     assert t.active_sites() == set()
@@ -42,3 +43,38 @@ def test_the_queue_drops_the_newest_and_counts_by_source():
     assert q.put(a, "x") and not q.put(a, "y")
     assert q.dropped == {"y": 1} and q.enqueued == {"x": 1}
     assert q.drain() == [("x", a)] and len(q) == 0
+
+
+def test_rows_written_between_steps_reach_the_tables_together_at_the_flush():
+    """`write_row` queues; `flush` writes every queued row at once: each row's vectors at
+    every layer of each of its sites (zero where it has none), its gates' probe, vector and
+    parameters; a row cleared before the flush never reaches the tables, one cleared after
+    it is zero again."""
+    from services.engine.interventions.resolve import GateRow
+
+    L, H = 3, 4
+    t = SteeringTables(L, H, torch.device("cpu"), torch.float32, per_request_rows=4, dynamic_rows=0)
+    shared = torch.arange(H, dtype=torch.float32)
+    gate = GateRow(torch.ones(H), -torch.ones(H), 0.5, 3.0, 2.0, True, False, 4)
+    a = row_content({(0, "post_block"): shared, (2, "post_block"): shared,
+                     (1, "pre_attn"): shared + 10}, {})  # fmt: skip
+    b = row_content({(1, "post_block"): -shared}, {(2, "post_attn"): gate})
+    gone = row_content({(0, "post_block"): shared * 7}, {})
+    for row, content in ((3, a), (4, b), (5, gone)):
+        t.write_row(row, content)
+    assert not t.vec["post_block"].any()  # queued, not yet written
+    t.clear_row(5, gone)
+    t.flush()
+    want = torch.zeros(L, t.num_rows, H)
+    want[0, 3] = want[2, 3] = shared
+    want[1, 4] = -shared
+    torch.testing.assert_close(t.vec["post_block"], want, rtol=0, atol=0)
+    assert torch.equal(t.vec["pre_attn"][1, 3], shared + 10)
+    assert t.vec["pre_attn"].count_nonzero() == H  # that row alone
+    assert torch.equal(t.gate_probe["post_attn"][2, 4], torch.ones(H))
+    assert torch.equal(t.gate_vec["post_attn"][2, 4], -torch.ones(H))
+    params = t.gate_params["post_attn"][2, 4].tolist()
+    assert params == [1.0, 0.5, 3.0, 2.0, 1.0, 4.0, 0.0]
+    assert not t.gate_params["post_attn"][:2].any() and t.site_use[(2, "post_attn")] == 1
+    t.clear_row(3, a)
+    assert not t.vec["post_block"][:, 3].any() and not t.vec["pre_attn"].any()
