@@ -239,6 +239,10 @@ class AsyncLLM:
         deltas. It must be quick and must not raise (errors are logged and ignored)."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling `listener` (added by `add_listener`)."""
+        self._listeners.remove(listener)
+
     def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` between steps (under the engine lock) and return its result."""
         with self._lock:

@@ -29,23 +29,19 @@ class EngineLinks:
     """One link per live engine replica of Serve application `app` that reports a `backend`
     address in `store` (applications may share a store)."""
 
-    def __init__(self, store: Any, key: bytes, app: str, refresh_s: float = 1.0):
+    def __init__(
+        self, store: Any, key: bytes, app: str, refresh_s: float = 1.0, tokenizer: Any = None
+    ):
+        """`tokenizer`: with one, each link decodes its generations' text in this process
+        (`ProcessBackend`), not on the engines' threads."""
         self.store, self.key, self.app, self.refresh_s = store, key, app, refresh_s
+        self.tokenizer = tokenizer
         self._links: dict[str, ProcessBackend] = {}  # replica id -> its link
         self._seen: set[str] = set()  # replicas linked, or whose link failed or broke
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.tokenizer: Any = None  # the links decode generated text here (`set_tokenizer`)
         self.refresh()
         threading.Thread(target=self._run, name="engine-links", daemon=True).start()
-
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        """Decode the text of generations here, on every link (`ProcessBackend`'s
-        `tokenizer`), not on the engines' threads."""
-        with self._lock:
-            self.tokenizer = tokenizer
-            for link in self._links.values():
-                link.tokenizer = tokenizer
 
     def _run(self) -> None:
         while not self._stop.wait(self.refresh_s):
@@ -73,12 +69,11 @@ class EngineLinks:
                 continue
             self._seen.add(replica)
             try:
-                link = ProcessBackend(BackendAddress(address, self.key), None)
+                link = ProcessBackend(BackendAddress(address, self.key), None, self.tokenizer)
             except (ServiceUnavailableError, AuthenticationError, OSError, EOFError) as exc:
                 log.warning("engine links: replica %s at %s: %s", replica, address, exc)
                 continue
             with self._lock:
-                link.tokenizer = self.tokenizer  # set meanwhile, perhaps
                 self._links[replica] = link
         self._seen &= live.keys()
 

@@ -33,6 +33,25 @@ def _unwrap(exc: BaseException) -> BaseException:
     return unwrap_ray_error(exc, "the engine replica")
 
 
+def gateway_tokenizer(handle: Any) -> Any:
+    """The model's tokenizer in this process, from the files of an Engine replica (the
+    gateway renders prompts and token texts, and decodes the text of linked generations)."""
+    from services.engine.model.tokenizer import Tokenizer
+
+    response = handle.call.remote(tokenizer_files)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        files = RemoteEngine._result(response)
+    else:  # Serve forbids blocking on a response in its loop
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            files = pool.submit(RemoteEngine._result, response).result()
+    with tempfile.TemporaryDirectory(prefix="coxswain-tokenizer-") as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        return Tokenizer(tmp)
+
+
 class RemoteEngine:
     """`EngineService`'s interface for the gateway, over the Engine deployment's replicas.
 
@@ -49,24 +68,18 @@ class RemoteEngine:
         store: ClusterStore,
         apply_timeout_s: float = 10.0,
         links: EngineLinks | None = None,
+        tokenizer: Any = None,
     ):
         """`links`: direct links to the replicas for generation (`engine_links.py`); without
-        one linked, generations stream through the handle."""
+        one linked, generations stream through the handle. `tokenizer`: the model's, as
+        `gateway_tokenizer` gives it (fetched here when None)."""
         self.handle = handle
         self.links = links
         self.store, self.apply_timeout_s = store, apply_timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="remote-engine")
         self._card = self._sync(self.handle.call.remote(service_method("model_card")))
         self.model_id = self._card["id"]
-        from services.engine.model.tokenizer import Tokenizer
-
-        files = self._sync(self.handle.call.remote(tokenizer_files))
-        self._tokdir = tempfile.TemporaryDirectory(prefix="coxswain-tokenizer-")
-        for name, data in files.items():
-            (Path(self._tokdir.name) / name).write_bytes(data)
-        self.engine = SimpleNamespace(tokenizer=Tokenizer(self._tokdir.name))
-        if links is not None:  # this process decodes their generations' text
-            links.set_tokenizer(self.engine.tokenizer)
+        self.engine = SimpleNamespace(tokenizer=tokenizer or gateway_tokenizer(handle))
         self._streams: dict[str, Any] = {}
 
     # Routes run sync methods in a thread pool; the gRPC front may call them on its loop,

@@ -43,7 +43,7 @@ from services.gateway.cluster_actors import (
 from services.gateway.engine_deployment import EngineDeployment
 from services.gateway.engine_links import EngineLinks
 from services.gateway.process_backend import listening_socket
-from services.gateway.remote_engine import RemoteEngine
+from services.gateway.remote_engine import RemoteEngine, gateway_tokenizer
 
 # This module's names, and the ones read from here that live elsewhere: `AppArgs` (the
 # front-end processes, the Serve config's comments) and the actor names (the chaos benchmark).
@@ -71,8 +71,9 @@ def gateway_http_app(a: AppArgs, app_name: str) -> tuple[Any, Any, ApiKeys]:
 
     engine = serve.get_deployment_handle("Engine", app_name=app_name)
     cluster = cluster_store(a.redis_url)
-    links = EngineLinks(cluster, a.backend_key(), app_name)
-    backend = RemoteEngine(engine, cluster, a.admin_apply_timeout_s, links)
+    tokenizer = gateway_tokenizer(engine)
+    links = EngineLinks(cluster, a.backend_key(), app_name, tokenizer=tokenizer)
+    backend = RemoteEngine(engine, cluster, a.admin_apply_timeout_s, links, tokenizer)
     keys = a.keys()
     if not keys.enabled and not a.allow_no_auth:
         raise CoxswainError(

@@ -90,3 +90,32 @@ def test_picks_the_least_loaded_replica_and_drops_one_whose_report_expired(repli
         assert len(links) == 1
     finally:
         links.close()
+
+
+def test_links_with_the_tokenizer_decode_the_text_the_engine_would_have(replicas):
+    """Given the model's tokenizer (as the gateway fetches it), a link sends generations
+    without stop strings undecoded and fills in their text here: the replica's own text."""
+    services, addresses = replicas
+    state = ClusterState()
+    _report(state, "a", "app", addresses[0])
+    tokenizer = services[0].llm.engine.tokenizer
+    links = EngineLinks(state, KEY, "app", refresh_s=3600, tokenizer=tokenizer)
+    engine_text: list[str] = []
+
+    def listen(deltas: list) -> None:
+        engine_text.extend(s.text for d in deltas for s in d.samples)
+
+    async def text(source) -> str:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        return "".join(
+            [s.text async for d in source.generate("once upon a time", params) for s in d.samples]
+        )
+
+    services[0].llm.add_listener(listen)
+    try:
+        got = asyncio.run(text(links.pick()))
+        assert engine_text and not "".join(engine_text)  # the replica decoded nothing
+        assert got and got == asyncio.run(text(services[1]))  # the same weights' text
+    finally:
+        services[0].llm.remove_listener(listen)
+        links.close()

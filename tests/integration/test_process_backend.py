@@ -109,15 +109,18 @@ def test_the_front_end_decodes_the_text_the_engine_would_have(remote, local, ser
 
     service.llm.add_listener(listen)
     body = {"prompt": "the quick brown", "max_tokens": 16, "temperature": 0}
-    got, want = remote.post("/v1/completions", json=body), local.post("/v1/completions", json=body)
+    try:
+        got = remote.post("/v1/completions", json=body)
+        want = local.post("/v1/completions", json=body)
+        text = want.json()["choices"][0]["text"]
+        stop = text[2:4]
+        stopped = remote.post("/v1/completions", json=body | {"stop": [stop]})
+    finally:
+        service.llm.remove_listener(listen)
     assert got.status_code == want.status_code == 200, got.text
-    text = want.json()["choices"][0]["text"]
     assert got.json()["choices"][0]["text"] == text and len(text) > 4
-    stop = text[2:4]
-    stopped = remote.post("/v1/completions", json=body | {"stop": [stop]})
     assert stopped.json()["choices"][0]["text"] == text[: text.index(stop)]
     assert stopped.json()["choices"][0]["finish_reason"] == "stop"
-    service.llm._listeners.remove(listen)
     engine_texts = ["".join(t) for t in seen.values()]
     assert "" in engine_texts  # the front end's plain request: decoded there
     assert text in engine_texts  # the in-process server's: decoded by the engine
