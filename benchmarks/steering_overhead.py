@@ -19,7 +19,10 @@ output, because a no-op steering path would look free here.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import random
 import statistics
 import sys
@@ -73,6 +76,28 @@ class RunResult:
 
 
 Run = Callable[[list[list[int]], str], RunResult]  # (prompts, config name) -> result
+
+
+def profile_runs(
+    configs: dict[str, list[SamplingParams]],
+    llm: LLM,
+    work: list[list[int]],
+    device: torch.device,
+    out: Path,
+) -> None:
+    """One more run of each config under cProfile: its 30 costliest functions by own time
+    (where the host's time goes: admission, planning, page-locking, a wait on the device)
+    in `out/<config>.txt`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, params in configs.items():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run_coxswain(llm, name, work, params, device)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        (out / f"{name.replace(' ', '-').replace('=', '')}.txt").write_text(text.getvalue())
+    print(f"profiles of one run per config: {out}")
 
 
 def timed(
@@ -438,6 +463,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per config; best counts")
     p.add_argument(
+        "--profile",
+        type=Path,
+        help="also profile one more run per config (cProfile; a text file per config here)",
+    )
+    p.add_argument(
         "--decode-steps",
         type=int,
         default=0,
@@ -553,6 +583,8 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         warm,
         args.repeats,
     )
+    if args.profile:
+        profile_runs(configs, llm, work, device, args.profile)
     waits = llm.engine.steering_snapshot()["pools"]["admissions_waiting_for_rows"]
     plain, cap = cox["coxswain unsteered"], cox["coxswain capture"]
     by_k = {k: cox[name] for k, name in k_names.items()}
