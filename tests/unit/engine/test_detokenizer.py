@@ -8,7 +8,7 @@ import pytest
 
 from services.common.errors import InvalidRequestError
 from services.engine import EngineConfig, LLMEngine, SamplingParams
-from services.engine.detokenizer import detokenize_here
+from services.engine.detokenizer import DeltaDetokenizer, detokenize_here
 from services.engine.outputs import RequestDelta
 
 PROMPTS = ["the quick brown fox", "héllo wörld ✓", "1 2 3", "a"]
@@ -104,3 +104,18 @@ def _deltas_one(engine: LLMEngine, params: SamplingParams):
     text = "".join(s.text for s in samples)
     ids = [t for s in samples for t in s.token_ids]
     return [type(samples[0])(index=0, token_offset=0, token_ids=ids, text=text)]
+
+
+def test_a_stop_token_ends_the_text_alike(engine):
+    """A stop token id is matched on ids, so the front end may decode its request: the text
+    up to and with the stop token is the engine's."""
+    [greedy] = _deltas_one(engine, SamplingParams(max_tokens=8, temperature=0))
+    params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[greedy.token_ids[3]])
+    want = _deltas(engine, [params] * len(PROMPTS))
+    sent, _ = detokenize_here(params, engine.tokenizer)
+    got = _deltas(engine, [sent] * len(PROMPTS))
+    assert want["r0"][-1].samples[0].finish_reason == "stop"
+    for rid, deltas in want.items():
+        filler = DeltaDetokenizer(engine.tokenizer, params.skip_special_tokens)
+        texts = [s.text for d in got[rid] for s in filler.fill(d).samples]
+        assert texts == [s.text for d in deltas for s in d.samples]
