@@ -4,6 +4,8 @@ and read-outs in one continuous batch. Module-level so spawned ranks can import 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from services.common.errors import InvalidRequestError
@@ -265,3 +267,9 @@ def plain_decode(engine) -> dict:
         "graph_steps": engine.stats()["num_graph_steps"],
         "fused": engine.runner.ctx.fused_norm is not None,
     }
+
+
+def stalled(engine) -> str:
+    """A driver that stops stepping for 8 s (its peers wait for its next broadcast)."""
+    time.sleep(8)
+    return "late"

@@ -33,7 +33,8 @@ def launch_local(
     """Run a `tp_size × pp_size` replica in local processes and return `driver_fn(engine)`
     evaluated on its driver rank. `driver_fn` must be picklable (a module-level function);
     the other ranks step in lock-step until it returns. For tests and single-host scripts:
-    clusters use the Ray actors in `services/engine/actors.py`."""
+    clusters use the Ray actors in `services/engine/actors.py`. A replica still running
+    5 s before `timeout_s` prints every rank's stacks to its stderr (where it hangs)."""
     mp = torch.multiprocessing.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     results = mp.Queue()
@@ -41,7 +42,11 @@ def launch_local(
         mp.Process(
             target=_local_rank,
             args=(rank, tp_size, pp_size, init_method, device_type, model, engine_config),
-            kwargs={"driver_fn": driver_fn if rank == 0 else None, "results": results},
+            kwargs={
+                "driver_fn": driver_fn if rank == 0 else None,
+                "results": results,
+                "dump_after_s": max(1.0, timeout_s - 5),
+            },
             daemon=True,
         )
         for rank in range(tp_size * pp_size)
@@ -86,10 +91,12 @@ def _local_rank(
     *,
     driver_fn: Callable[[LLMEngine], Any] | None,
     results: Any,
+    dump_after_s: float,
 ) -> None:
     torch.set_num_threads(1)  # ranks share the host's cores
-    if os.environ.get("COXSWAIN_HANG_DUMP_S"):  # debugging a hung replica: dump every stack
-        faulthandler.dump_traceback_later(float(os.environ["COXSWAIN_HANG_DUMP_S"]), exit=True)
+    # A hung replica (a collective one rank never reaches) says where each rank waits: the
+    # stacks come out before the parent gives up on it (`COXSWAIN_HANG_DUMP_S` sooner).
+    faulthandler.dump_traceback_later(float(os.environ.get("COXSWAIN_HANG_DUMP_S", dump_after_s)))
     fused = getattr(engine_config, "fused_all_reduce_norm", False)
     microbatches = getattr(engine_config, "pipeline_microbatches", 1)
     ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type, fused, microbatches)
@@ -108,4 +115,5 @@ def _local_rank(
         finally:
             sync.stop()
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()

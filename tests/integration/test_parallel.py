@@ -179,3 +179,14 @@ def test_only_the_driver_rank_keeps_captures(checkpoint, rank):
         assert set(out.captures) == {f"{L}.post_block" for L in range(parallel_workload.LAYERS)}
     else:
         assert captured == 0 and not out.captures
+
+
+def test_a_replica_past_its_time_says_where_every_rank_waits(checkpoint, capfd):
+    """A hung replica is a failure with every rank's stacks (printed before the parent gives
+    up), not a silent timeout: the driver's stack names the function it is stuck in."""
+    with pytest.raises(RuntimeError, match="did not finish within 6 s"):
+        launch_local(
+            str(checkpoint), 2, 1, parallel_workload.stalled, engine_config=CONFIG, timeout_s=6
+        )
+    err = capfd.readouterr().err
+    assert "in stalled" in err and err.count("Current thread") + err.count("Thread 0x") >= 2
