@@ -83,6 +83,10 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
+        # Overlapped steps in flight: one, or each pipeline microbatch's (`step`).
+        self.microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
+        if self.microbatches < cfg.pipeline_microbatches:
+            log.warning("pipeline_microbatches applies to pipeline stages: not used")
         self.runner = ModelRunner(
             self.model_dir,
             self.model_config,
@@ -102,6 +106,7 @@ class LLMEngine:
             )
             if cfg.adapter_capacity > 0
             else None,
+            steps_in_flight=self.microbatches,
         )
         self.adapters = self.runner.adapters
         num_blocks = num_kv_blocks(
@@ -130,12 +135,6 @@ class LLMEngine:
             action_queue_size=cfg.action_queue_size,
             capture_rows=capture_rows,
         )
-        # Overlapped steps in flight: one, or each pipeline microbatch's (`step`).
-        self.microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
-        if self.microbatches < cfg.pipeline_microbatches:
-            log.warning("pipeline_microbatches applies to pipeline stages: not used")
-        self.runner.recent.lookback = self.microbatches  # how far back a placeholder's token is
-        self.runner.copies.ring = self.microbatches + 1  # host copies not yet read, and one
         self.runner.readback = Readback(
             self.runner.max_num_batched_tokens,
             cfg.max_num_seqs,

@@ -96,8 +96,11 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         adapters: AdapterBank | None = None,
+        steps_in_flight: int = 1,
     ):
-        """`adapters`: the bank whose target Linears this runner's model wraps."""
+        """`adapters`: the bank whose target Linears this runner's model wraps;
+        `steps_in_flight`: how many launched steps the engine leaves unaccepted (one, or a
+        pipeline's microbatches), so how far back a placeholder's token was sampled."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -145,11 +148,11 @@ class ModelRunner:
         self.num_capture_graph_steps = 0  # ... of them, one that captures
         self.num_adapted_graph_steps = 0  # ... of them (any kind), an adapted one
         self.num_eager_steps = 0
-        # The last steps' sampled tokens (device), for placeholders; `lookback`: how many
-        # steps back a placeholder's token was sampled (the engine's pipeline microbatches).
-        self.recent = RecentTokens()
+        # The last steps' sampled tokens (device), for placeholders.
+        self.recent = RecentTokens(lookback=steps_in_flight)
         self.num_launches = 0
-        self.copies = HostCopies(device)  # the pinned buffers sampled ids come back through
+        # The pinned buffers sampled ids come back through: those not yet read, and one.
+        self.copies = HostCopies(device, ring=steps_in_flight + 1)
 
     def kv_bytes_per_block(self) -> int:
         layers = len(self.model.attention_layers())
