@@ -33,19 +33,31 @@ def _unwrap(exc: BaseException) -> BaseException:
     return unwrap_ray_error(exc, "the engine replica")
 
 
+def _wait(response: Any, pool: concurrent.futures.Executor) -> Any:
+    """A Serve response's result (our error behind a Ray one). Routes run sync methods in a
+    thread pool; the gRPC front may call them on its loop, where Serve forbids blocking on
+    a response, so there it waits in a thread of `pool` instead."""
+
+    def result() -> Any:
+        try:
+            return response.result()
+        except BaseException as exc:
+            raise _unwrap(exc) from None
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return result()
+    return pool.submit(result).result()
+
+
 def gateway_tokenizer(handle: Any) -> Any:
     """The model's tokenizer in this process, from the files of an Engine replica (the
     gateway renders prompts and token texts, and decodes the text of linked generations)."""
     from services.engine.model.tokenizer import Tokenizer
 
-    response = handle.call.remote(tokenizer_files)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        files = RemoteEngine._result(response)
-    else:  # Serve forbids blocking on a response in its loop
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            files = pool.submit(RemoteEngine._result, response).result()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        files = _wait(handle.call.remote(tokenizer_files), pool)
     with tempfile.TemporaryDirectory(prefix="coxswain-tokenizer-") as tmp:
         for name, data in files.items():
             (Path(tmp) / name).write_bytes(data)
@@ -82,21 +94,8 @@ class RemoteEngine:
         self.engine = SimpleNamespace(tokenizer=tokenizer or gateway_tokenizer(handle))
         self._streams: dict[str, Any] = {}
 
-    # Routes run sync methods in a thread pool; the gRPC front may call them on its loop,
-    # where Serve forbids blocking on a response, so those wait in a pool thread instead.
     def _sync(self, response: Any) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._result(response)
-        return self._pool.submit(self._result, response).result()
-
-    @staticmethod
-    def _result(response: Any) -> Any:
-        try:
-            return response.result()
-        except BaseException as exc:
-            raise _unwrap(exc) from None
+        return _wait(response, self._pool)
 
     async def _await(self, response: Any) -> Any:
         try:
