@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from multiprocessing.connection import AuthenticationError, Client
 
@@ -102,10 +103,13 @@ def test_the_front_end_decodes_the_text_the_engine_would_have(remote, local, ser
     it: `detokenizer.py`) and reach the client with the in-process server's text; with a
     stop string the engine decodes it, to match the string, and stops there."""
     seen: dict[str, list[str]] = {}
+    finished = threading.Semaphore(0)
 
     def listen(deltas: list) -> None:
         for d in deltas:
             seen.setdefault(d.request_id, []).extend(s.text for s in d.samples)
+            if d.finished:
+                finished.release()
 
     service.llm.add_listener(listen)
     body = {"prompt": "the quick brown", "max_tokens": 16, "temperature": 0}
@@ -115,6 +119,8 @@ def test_the_front_end_decodes_the_text_the_engine_would_have(remote, local, ser
         text = want.json()["choices"][0]["text"]
         stop = text[2:4]
         stopped = remote.post("/v1/completions", json=body | {"stop": [stop]})
+        # Listeners hear a step after its callers do: wait for the three final deltas.
+        assert all(finished.acquire(timeout=10) for _ in range(3))
     finally:
         service.llm.remove_listener(listen)
     assert got.status_code == want.status_code == 200, got.text
