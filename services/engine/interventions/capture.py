@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from services.engine.host_memory import host_zeros
+from services.engine.host_memory import host_empty
 from services.engine.interventions.sites import parse_site
 from services.engine.kernels.capture import capture_slot
 
@@ -96,23 +96,28 @@ class InlineCaptureSink:
             stacked = flat.to(dtype).view(len(keys), len(positions), -1)
             return {k: stacked[j] for j, k in enumerate(keys)}, positions
         out = {}
-        if blocks:  # every block position's rows of every key in one gather per block
-            at = {p: i for i, p in enumerate(positions)}
-            slots = [_slot(k) for k in keys]
-            by_block: dict[int, tuple[Any, list[int], list[int]]] = {}
-            for p, (block, row) in blocks.items():
-                entry = by_block.setdefault(id(block), (block, [], []))
-                entry[1].append(at[p])
-                entry[2].append(row)
-            gathered = None  # [K, positions, H]: each key's rows contiguous
-            for block, index, block_rows in by_block.values():
-                cols = torch.tensor([block.column[slot] for slot in slots])
-                part = block.rows()[torch.tensor(block_rows)][:, cols]  # [n, K, H]
-                if gathered is None:
-                    shape = (len(keys), len(positions), part.shape[2])
-                    gathered = host_zeros(shape, dtype)
-                gathered[:, torch.tensor(index)] = part.transpose(0, 1).to(dtype)
-            assert gathered is not None
+        if blocks:  # each position's row of its block (a view), stacked once: [K, P, H]
+            slots = tuple(_slot(k) for k in keys)
+            parts: list[torch.Tensor] = []
+            filler = None  # positions only eager copies hold (set from those below)
+            for p in positions:
+                hit = blocks.get(p)
+                if hit is None:
+                    if filler is None:
+                        like = next(iter(blocks.values()))[0].host
+                        filler = like.new_zeros(len(keys), like.shape[-1])
+                    parts.append(filler)
+                    continue
+                block, row = hit
+                cols = block.columns(slots)
+                host = block.rows()[row]  # [block columns, H]
+                parts.append(host if cols is None else host.index_select(0, cols))
+            shape = (len(keys), len(positions), parts[0].shape[-1])
+            gathered = host_empty(shape, dtype)
+            if parts[0].dtype == dtype:
+                torch.stack(parts, dim=1, out=gathered)
+            else:  # stacked in the block's (narrower) dtype, widened in one pass
+                gathered.copy_(torch.stack(parts, dim=1))
             out = {k: gathered[j] for j, k in enumerate(keys)}
         for k in keys:
             by_pos = rows.get(k, {})

@@ -78,11 +78,22 @@ class CapturedBlock:
     lease: Lease | None = None  # the reserved host rows `host` is, until drained
     drained: threading.Event | None = None  # set by the drain once `host` is pageable
     error: BaseException | None = None  # why the drain failed, if it did
+    _columns: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def column(self) -> dict[int, int]:
         """Each captured slot's column."""
         return {slot: j for j, slot in enumerate(self.slots)}
+
+    def columns(self, slots: tuple[int, ...]) -> torch.Tensor | None:
+        """The columns of `slots`, in that order, as an index; None when they are the
+        block's own columns in order (a row is then already the request's). Kept per
+        block: the step's requests mostly ask the same keys."""
+        if slots == self.slots:
+            return None
+        if slots not in self._columns:
+            self._columns[slots] = torch.tensor([self.column[slot] for slot in slots])
+        return self._columns[slots]
 
     def rows(self) -> torch.Tensor:
         """The rows, once the copy has landed (and been drained, where a drain runs)."""
