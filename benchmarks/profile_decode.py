@@ -92,7 +92,7 @@ def stage_times(totals: dict[str, float]) -> Iterator[None]:
             setattr(cls, name, f)
 
 
-def kernels_and_syncs(engine: LLMEngine) -> None:
+def kernels_and_syncs(engine: LLMEngine, top_kernels: int) -> None:
     """Print the kernels and CUDA API calls of a decode step, and the syncs of five."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -113,6 +113,13 @@ def kernels_and_syncs(engine: LLMEngine) -> None:
     calls = ", ".join(f"{k} {v:g}" for k, v in sorted(api.items()))
     print(f"  {kernels / 10:.0f} kernels/step; sync warnings in 5 steps: {syncs}")
     print(f"  CUDA API calls per step: {calls}")
+    # Which kernels they are (where fusion would cut launches): count and device time a step.
+    device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_events.sort(key=lambda e: -e.count)
+    print("  kernels a step (count, µs on the device), most frequent first:")
+    for e in device_events[:top_kernels]:
+        us = e.self_device_time_total / 10
+        print(f"    {e.count / 10:6.1f}  {us:8.1f} µs  {e.key[:100]}")
 
 
 def main() -> None:
@@ -120,6 +127,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--engine-detokenizes", action="store_true")
     p.add_argument("--batch-sizes", default="1,32,128")
+    p.add_argument(
+        "--top-kernels", type=int, default=25, help="kernels listed per batch size (CUDA)"
+    )
     args = p.parse_args()
     cuda = args.device == "cuda"
     step_batch.PendingStep.result = _timed_result  # count the time blocked on the device
@@ -159,7 +169,7 @@ def main() -> None:
         host_ms = 1e3 * (wall - waited[0] / n)
         print(f"batch {batch}: {wall * 1e3:.2f} ms/step, host busy {host_ms:.2f} ms")
         if cuda:
-            kernels_and_syncs(engine)
+            kernels_and_syncs(engine, args.top_kernels)
         totals: dict[str, float] = collections.defaultdict(float)
         with stage_times(totals):
             for _ in range(n):
