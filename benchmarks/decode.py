@@ -11,6 +11,8 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
 - hf: transformers `generate` (greedy, static batches), decode rate = the extra time of
   `--steps` more new tokens;
 - coxswain: `LLMEngine.step()` after every request has prefilled;
+- coxswain-skinny: the same with `EngineConfig.skinny_gemm` (CUDA: the decoder Linears of
+  steps of at most 16 tokens on `kernels/skinny_gemm.py`), and its rate over coxswain's;
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -310,7 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parallel",
         help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2); a "
         "trailing f (2x1f) turns on EngineConfig.fused_all_reduce_norm for that one, a "
-        "trailing m (1x2m) EngineConfig.pipeline_microbatches=2",
+        "trailing m (1x2m) EngineConfig.pipeline_microbatches=2, a trailing s (2x1s) "
+        "EngineConfig.skinny_gemm",
     )
     p.add_argument(
         "--interventions",
@@ -387,15 +390,18 @@ def main(argv: list[str] | None = None) -> None:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.6,
     )
-    if "coxswain" in systems:
+    for system in ("coxswain", "coxswain-skinny"):  # the latter: EngineConfig.skinny_gemm
+        if system not in systems:
+            continue
         t = time.perf_counter()
-        engine = LLMEngine(args.model, engine_config)
-        print(f"coxswain engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
+        config = dataclasses.replace(engine_config, skinny_gemm=system.endswith("skinny"))
+        engine = LLMEngine(args.model, config)
+        print(f"{system} engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
         for b in batches:
-            profile = args.profile and args.profile / "one-process" / f"batch{b}.txt"
-            results["coxswain"][b] = bench_coxswain(engine, prompts[b], args.steps, profile)
+            profile = args.profile and args.profile / system / f"batch{b}.txt"
+            results[system][b] = bench_coxswain(engine, prompts[b], args.steps, profile)
             if args.interventions:
-                results.setdefault("coxswain+iv", {})[b] = bench_coxswain(
+                results.setdefault(system + "+iv", {})[b] = bench_coxswain(
                     engine, prompts[b], args.steps, interventions=True
                 )
         del engine
@@ -405,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.parallel:  # "2x1"; "2x1f": fused_all_reduce_norm; "1x2m": pipeline_microbatches
         shapes = []
         for spec in args.parallel.split(","):
-            dims = spec.rstrip("fm")
+            dims = spec.rstrip("fms")
             shapes.append((*(int(n) for n in dims.split("x")), spec[len(dims) :]))
     replicas = []
     for tp, pp, flags in shapes:
@@ -430,6 +436,7 @@ def main(argv: list[str] | None = None) -> None:
                 engine_config,
                 fused_all_reduce_norm="f" in flags,
                 pipeline_microbatches=2 if "m" in flags else 1,
+                skinny_gemm="s" in flags,
             ),
             device_type=device.type,
         )
@@ -442,7 +449,8 @@ def main(argv: list[str] | None = None) -> None:
 
     ceiling = results.get("ceiling", {})
     print(f"\ndecode at context {args.context}, {args.steps} steps; ratio = tok/s ÷ ceiling")
-    print(f"{'system':<10}" + "".join(f"{'batch ' + str(b):>26}" for b in batches))
+    width = max(10, *(len(n) + 1 for n in results))
+    print(f"{'system':<{width}}" + "".join(f"{'batch ' + str(b):>26}" for b in batches))
     names = [n for s in systems for n in (s, s + "+iv") if n in results]
     rows = [("roofline", roof)] + [(n, results[n]) for n in names]
     for name, row in rows:
@@ -454,13 +462,17 @@ def main(argv: list[str] | None = None) -> None:
             ms = 1e3 * b / row[b]
             ratio = f" ({row[b] / ceiling[b]:.2f}×)" if b in ceiling else ""
             cells.append(f"{row[b]:>9,.0f} tok/s {ms:6.2f} ms{ratio:>8}")
-        print(f"{name:<10}" + "".join(cells))
+        print(f"{name:<{width}}" + "".join(cells))
     one = results.get("coxswain", {})
     for name in replicas:
         many = results[name]
         if one and many:
             ratios = ", ".join(f"batch {b} {many[b] / one[b]:.2f}×" for b in batches)
             print(f"{name} ÷ one process: {ratios}")
+    skinny = results.get("coxswain-skinny", {})
+    if one and skinny:
+        ratios = ", ".join(f"batch {b} {skinny[b] / one[b]:.2f}×" for b in batches)
+        print(f"coxswain-skinny ÷ coxswain: {ratios}")
     for name in [n for n in names if n.endswith("+iv")]:
         plain = results[name.removesuffix("+iv")]
         ratios = ", ".join(f"batch {b} {results[name][b] / plain[b]:.0%}" for b in batches)

@@ -91,6 +91,11 @@ class EngineConfig:
     # and norm after them, one kernel over symmetric memory (kernels/all_reduce_norm.py).
     # Off by default until it has run on GPUs; unavailable, it is logged and kept apart.
     fused_all_reduce_norm: bool = False
+    # CUDA: decoder Linears of steps with at most 16 tokens (small-batch decode) run one
+    # Triton kernel each instead of cuBLAS (no split-K reduction), the gated MLP's
+    # activation inside the gate-up one (kernels/skinny_gemm.py): fewer launches where a
+    # small model's batch-1 step is bound by them. Off by default until measured on GPUs.
+    skinny_gemm: bool = False
     # Pipeline-parallel replicas: overlapped decode steps take turns over this many disjoint
     # parts of the running batch, so each stage computes one part while the next stage
     # computes another (1: every step carries the whole batch, stage after stage). As many

@@ -87,6 +87,9 @@ class LLMEngine:
         self.microbatches = cfg.pipeline_microbatches if ctx.pp_size > 1 else 1
         if self.microbatches < cfg.pipeline_microbatches:
             log.warning("pipeline_microbatches applies to pipeline stages: not used")
+        skinny = cfg.skinny_gemm and self.device.type == "cuda"
+        if cfg.skinny_gemm and not skinny:
+            log.warning("skinny_gemm applies to CUDA devices: not used on %s", self.device)
         self.runner = ModelRunner(
             self.model_dir,
             self.model_config,
@@ -107,6 +110,7 @@ class LLMEngine:
             if cfg.adapter_capacity > 0
             else None,
             steps_in_flight=self.microbatches,
+            skinny_gemm=skinny,
         )
         self.adapters = self.runner.adapters
         num_blocks = num_kv_blocks(

@@ -97,10 +97,12 @@ class ModelRunner:
         max_model_len: int | None = None,
         adapters: AdapterBank | None = None,
         steps_in_flight: int = 1,
+        skinny_gemm: bool = False,
     ):
         """`adapters`: the bank whose target Linears this runner's model wraps;
         `steps_in_flight`: how many launched steps the engine leaves unaccepted (one, or a
-        pipeline's microbatches), so how far back a placeholder's token was sampled."""
+        pipeline's microbatches), so how far back a placeholder's token was sampled;
+        `skinny_gemm`: `EngineConfig.skinny_gemm` (CUDA)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -122,7 +124,7 @@ class ModelRunner:
         torch.set_default_dtype(dtype)
         try:
             with device:
-                self.model = LlamaFamilyForCausalLM(cfg, ctx, self.backend)
+                self.model = LlamaFamilyForCausalLM(cfg, ctx, self.backend, skinny_gemm)
         finally:
             torch.set_default_dtype(prev)
         load_weights(self.model, model_dir)

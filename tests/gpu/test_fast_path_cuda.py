@@ -31,11 +31,12 @@ def _serve(
     eager: bool,
     params_for: Callable[[int, int, int], SamplingParams],
     before_step: Callable[[LLMEngine], None] = lambda engine: None,
+    **config,
 ) -> tuple[list, LLMEngine]:
     """The prompts staggered (batch sizes change every step, across graph buckets), prompt i
     with `params_for(i, hidden size, number of layers)`; `before_step` checks the engine
-    before each step. The outputs in prompt order."""
-    cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8)
+    before each step; `config`: more EngineConfig fields. The outputs in prompt order."""
+    cfg = EngineConfig(device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8, **config)
     engine = LLMEngine(path, cfg)
     shape = engine.model_config.hidden_size, engine.model_config.num_layers
     outs = {}
@@ -51,14 +52,21 @@ def _serve(
     return [outs[str(i)] for i in range(len(PROMPT_LENS))], engine
 
 
-def _run(path, dtype: str, eager: bool, params: SamplingParams, steered: set[int] = frozenset()):
+def _run(
+    path,
+    dtype: str,
+    eager: bool,
+    params: SamplingParams,
+    steered: set[int] = frozenset(),
+    **config,
+):
     """`_serve` with `params`; those in `steered` each with a steering config of its own."""
 
     def params_for(i: int, hidden: int, num_layers: int) -> SamplingParams:
         steer = _steering(i, hidden, num_layers) if i in steered else None
         return dataclasses.replace(params, steering=steer)
 
-    outs, engine = _serve(path, dtype, eager, params_for)
+    outs, engine = _serve(path, dtype, eager, params_for, **config)
     return outs, engine.stats()
 
 
@@ -80,6 +88,22 @@ def test_graph_replay_equals_eager_float32(tiny_checkpoint, arch):
     eager, estats = _run(path, "float32", True, params)
     assert gstats["num_graph_steps"] > 10 and estats["num_graph_steps"] == 0
     _assert_same(graph, eager)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_skinny_gemm_gives_cublas_tokens_and_logprobs_float32(tiny_checkpoint, arch):
+    """`skinny_gemm`: the decoder Linears of steps of at most 16 tokens (every step here:
+    8 sequences at most, short prompts) run the Triton kernel, the gated MLP's activation
+    inside it; float32 against cuBLAS, graphs on, and the kernel is seen running."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    path = tiny_checkpoint(arch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        skinny, sstats = _run(path, "float32", False, params, skinny_gemm=True)
+    cublas, _ = _run(path, "float32", False, params)
+    assert sstats["num_graph_steps"] > 10
+    ran = [e.key for e in prof.key_averages() if "_skinny_kernel" in e.key]
+    assert ran, "skinny_gemm=True but its kernel never ran"
+    _assert_same(skinny, cublas)
 
 
 def test_graph_replay_equals_eager_bfloat16(tiny_checkpoint):

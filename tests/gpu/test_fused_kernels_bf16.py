@@ -20,6 +20,11 @@ from services.engine.kernels.norm_rope import (
     silu_mul_reference,
     silu_mul_triton,
 )
+from services.engine.kernels.skinny_gemm import (
+    MAX_ROWS,
+    skinny_linear_reference,
+    skinny_linear_triton,
+)
 from tests.unit.engine.kernels.test_fused_kernels import paged_case, prefill_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -178,3 +183,38 @@ def test_silu_mul_matches_reference(dtype, shape):
     torch.testing.assert_close(
         silu_mul_triton(strided), silu_mul_reference(strided), atol=tol, rtol=tol
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "m,k,n,gated,bias",
+    [
+        (1, 1024, 4096, False, False),  # Qwen3-0.6B's qkv at batch 1
+        (1, 1024, 2 * 3072, True, False),  # its gate-up with the activation
+        (MAX_ROWS, 3072, 1024, False, False),  # its down projection, a full tile of rows
+        (5, 896, 2 * 4864, True, True),  # ragged rows, a bias on both halves (Qwen2 style)
+        (3, 4096, 2 * 14336, True, False),  # Llama-3-8B's gate-up
+    ],
+)
+def test_skinny_linear_matches_reference(dtype, m, k, n, gated, bias):
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    got = skinny_linear_triton(x, w, b, gated)
+    want = skinny_linear_reference(x, w, b, gated)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_skinny_linear_replays_in_a_cuda_graph():
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * 256, 512, device="cuda", dtype=torch.bfloat16) / 512**0.5
+    skinny_linear_triton(x, w, gated=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_linear_triton(x, w, gated=True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = skinny_linear_reference(x, w, gated=True)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -15,6 +15,7 @@ from torch import nn
 
 from services.common.errors import CheckpointError
 from services.engine.kernels.norm_rope import rms_norm, rotary
+from services.engine.kernels.skinny_gemm import skinny_linear, takes
 from services.engine.model.config import RopeConfig, llama3_inv_freq
 from services.engine.parallel import ParallelContext
 
@@ -39,11 +40,22 @@ def _divide(n: int, parts: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x Wᵀ (+ b) with W's output rows split across TP ranks; output stays sharded."""
+    """y = x Wᵀ (+ b) with W's output rows split across TP ranks; output stays sharded.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext):
+    `skinny`: decode-size batches (`kernels/skinny_gemm.py`'s `takes`) run that kernel
+    instead of cuBLAS (`EngineConfig.skinny_gemm`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        ctx: ParallelContext,
+        skinny: bool = False,
+    ):
         super().__init__()
         self.ctx = ctx
+        self.skinny = skinny
         self.out_per_rank = _divide(out_features, ctx.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -60,6 +72,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny and takes(x):
+            return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -72,10 +86,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, in_features: int, output_sizes: Sequence[int], bias: bool, ctx: ParallelContext
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        ctx: ParallelContext,
+        skinny: bool = False,
     ):
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias, ctx)
+        super().__init__(in_features, sum(output_sizes), bias, ctx, skinny)
         self.part_sizes = [_divide(s, ctx.tp_size, "output features") for s in output_sizes]
         for param in self.parameters(recurse=False):
             param.num_parts = len(output_sizes)
@@ -96,11 +115,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x Wᵀ + b with W's input columns split across TP ranks; partial sums all-reduced."""
+    """y = x Wᵀ + b with W's input columns split across TP ranks; partial sums all-reduced.
+    `skinny`: as `ColumnParallelLinear`'s."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        ctx: ParallelContext,
+        skinny: bool = False,
+    ):
         super().__init__()
         self.ctx = ctx
+        self.skinny = skinny
         self.in_per_rank = _divide(in_features, ctx.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -119,7 +147,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """`reduce` False: this rank's partial sum, for a caller that reduces it itself (the
         fused all-reduce + norm, `ParallelContext.all_reduce_add_norm`; no bias then)."""
-        y = F.linear(x, self.weight)
+        y = skinny_linear(x, self.weight) if self.skinny and takes(x) else F.linear(x, self.weight)
         if not reduce:
             assert self.bias is None, "a partial sum takes its bias after the reduction"
             return y

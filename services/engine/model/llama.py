@@ -15,6 +15,7 @@ from torch import nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.kernels.norm_rope import qk_rope_cache, silu_mul
+from services.engine.kernels.skinny_gemm import skinny_linear, takes
 from services.engine.model.config import ModelConfig
 from services.engine.model.layers import (
     MergedColumnParallelLinear,
@@ -34,6 +35,7 @@ class Attention(nn.Module):
         ctx: ParallelContext,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
+        skinny: bool = False,
     ):
         super().__init__()
         if cfg.num_heads % ctx.tp_size or cfg.num_kv_heads % ctx.tp_size:
@@ -49,9 +51,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
         self.qkv_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, ctx
+            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, ctx, skinny
         )
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, ctx)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, ctx, skinny)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -107,14 +109,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, skinny: bool = False):
         super().__init__()
         n = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], cfg.mlp_bias, ctx)
-        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, ctx)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [n, n], cfg.mlp_bias, ctx, skinny
+        )
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, ctx, skinny)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        a = silu_mul(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj
+        # Skinny: the gate-up GEMM and its activation in one kernel. An adapter's wrapper
+        # (no MergedColumnParallelLinear) runs its own GEMM, then the activation.
+        if isinstance(gate_up, MergedColumnParallelLinear) and gate_up.skinny and takes(x):
+            a = skinny_linear(x, gate_up.weight, gate_up.bias, gated=True)
+        else:
+            a = silu_mul(gate_up(x))
         return self.down_proj(a) if reduce else self.down_proj(a, reduce=False)
 
 
@@ -126,6 +136,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
         layer_idx: int,
+        skinny: bool = False,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -134,9 +145,9 @@ class DecoderLayer(nn.Module):
         # partial sum, which the norm after it all-reduces (no biases to add after it).
         self.fuse_reduce = ctx.fused_norm is not None and not (cfg.o_bias or cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ctx, backend, rotary)
+        self.self_attn = Attention(cfg, ctx, backend, rotary, skinny)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ctx)
+        self.mlp = MLP(cfg, ctx, skinny)
 
     def post_block_only(self, iv: Any) -> bool:
         """Whether nothing intervenes at this layer's pre_attn and post_attn this step (so
@@ -216,7 +227,15 @@ class LlamaFamilyForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, backend: AttentionBackend):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ctx: ParallelContext,
+        backend: AttentionBackend,
+        skinny_gemm: bool = False,
+    ):
+        """`skinny_gemm`: the decoder layers' Linears run `kernels/skinny_gemm.py` on
+        decode-size CUDA batches (`EngineConfig.skinny_gemm`)."""
         super().__init__()
         self.cfg = cfg
         self.ctx = ctx
@@ -228,7 +247,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, ctx, backend, self.rotary, i) for i in self.layer_range}
+            {
+                str(i): DecoderLayer(cfg, ctx, backend, self.rotary, i, skinny_gemm)
+                for i in self.layer_range
+            }
         )
         if ctx.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -1,0 +1,168 @@
+"""Linear layers at decode batch sizes: `y = x Wᵀ (+ b)` for at most `MAX_ROWS` rows of x in
+one launch, optionally with the gated MLP's activation as its epilogue.
+
+At batch 1 a decoder step is bound by kernel launches on a small model, not by reading its
+weights: the Qwen3-0.6B shape runs about 460 kernels a step at 2–3 µs each, against a
+weight-copy floor of about 0.3 ms. cuBLAS runs some of these GEMMs as split-K, a second
+kernel summing the splits, and the gated MLP adds an activation kernel after its gate-up
+GEMM. Here each program owns `BLOCK_N` output columns for every row and walks all of K,
+so one launch gives the finished rows:
+
+- `gated=False`: `y = x Wᵀ + b` (`W [N, K]`);
+- `gated=True`: `W` is the merged gate-up weight `[2N, K]` (a rank's gate shard, then its
+  up shard) and `y = silu(x W_gᵀ + b_g) · (x W_uᵀ + b_u)`, `[M, N]`: the gate-up GEMM and
+  `silu_mul` in one kernel, with no rounding of the pre-activations to the model dtype
+  between them (the reference computes in float32 the same way).
+
+Off unless `EngineConfig.skinny_gemm` is set (CUDA only), until its speed against cuBLAS
+has been measured on the GPUs we serve on (`benchmarks/decode.py --engine skinny_gemm=true`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference serves every call
+    triton = None
+
+from services.engine.kernels.steer import INTERPRET
+
+MAX_ROWS = 16  # rows of x a launch takes: tl.dot's smallest tile
+BLOCK_K = 128
+
+
+def skinny_linear_reference(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K], or [2N, K] gated
+    bias: torch.Tensor | None = None,  # [N] or [2N]
+    gated: bool = False,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """The GEMM (and the gated activation) in float32, rounded once to x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if gated:
+        n = y.shape[1] // 2
+        y = F.silu(y[:, :n]) * y[:, n:]
+    return y.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,  # output columns (per half of W when GATED)
+        K,
+        stride_x,
+        stride_w,
+        stride_y,
+        HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
+        IEEE: tl.constexpr,  # float32 inputs: full-precision products (no TF32)
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rm = tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        w_rows = rn.to(tl.int64) * stride_w
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            xt = tl.load(
+                x_ptr + rm[:, None] * stride_x + k[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            # Wᵀ's tile [BLOCK_K, BLOCK_N]: contiguous along K in memory
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            wt = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=w_mask, other=0.0)
+            if IEEE:
+                acc += tl.dot(xt, wt, input_precision="ieee")
+            else:
+                acc += tl.dot(xt, wt)
+            if GATED:  # the up rows: N rows further down W
+                up = tl.load(
+                    w_ptr + N * stride_w + w_rows[None, :] + k[:, None], mask=w_mask, other=0.0
+                )
+                if IEEE:
+                    acc_up += tl.dot(xt, up, input_precision="ieee")
+                else:
+                    acc_up += tl.dot(xt, up)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        y = y_ptr + rm[:, None] * stride_y + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _block_n(n: int) -> int:
+    """Output columns per program: 32, or 16 where 32 would leave fewer than 128 programs
+    (an H100 has 132 SMs, and a program streams only its own columns of W)."""
+    return 32 if triton.cdiv(n, 32) >= 128 else 16
+
+
+def skinny_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+) -> torch.Tensor:
+    """`skinny_linear_reference` as one Triton launch over blocks of output columns."""
+    M, K = x.shape
+    rows = weight.shape[0]
+    assert M <= MAX_ROWS, f"{M} rows: at most {MAX_ROWS} a launch"
+    assert weight.shape[1] == K and weight.stride(1) == 1 and x.stride(1) == 1
+    assert not gated or rows % 2 == 0, "a gated weight stacks gate and up rows"
+    N = rows // 2 if gated else rows
+    y = x.new_empty(M, N)
+    if M == 0:
+        return y
+    block_n = _block_n(N)
+    _skinny_kernel[(triton.cdiv(N, block_n),)](
+        x,
+        weight,
+        bias if bias is not None else weight,  # (unread without HAS_BIAS)
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K,
+        num_warps=4,
+        num_stages=4,
+    )
+    return y
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+) -> torch.Tensor:
+    """Triton on CUDA or under TRITON_INTERPRET=1, else the reference."""
+    use_triton = triton is not None and (x.is_cuda or INTERPRET)
+    fn = skinny_linear_triton if use_triton else skinny_linear_reference
+    return fn(x, weight, bias, gated)
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether a layer switched to this kernel runs it for `x`: a CUDA batch of at most
+    `MAX_ROWS` rows, contiguous along its features."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1
