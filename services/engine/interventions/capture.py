@@ -2,8 +2,8 @@
 
 The engine hands each sink the pristine rows it captured this step, in one of two shapes:
 - `write`: rows of one `"<layer>.<site>"` key at some positions, from a step that copied
-  them eagerly (prefill and mixed steps);
-- `write_block`: a decode step's capture block (`planner.CapturedBlock`: each capturing
+  them eagerly (more capturing tokens than the capture buffer's rows);
+- `write_block`: a step's capture block (`planner.CapturedBlock`: each capturing
   token's rows at the sites the step's requests asked for) and the request's row in it.
   The block is shared by the step's requests, so a step costs one call per request, not
   one per request and key, and the rows stay where the drain put them (pageable memory)
