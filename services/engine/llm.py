@@ -48,7 +48,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A bad prompt fails the whole call (naming its index) and leaves nothing queued.
+        Prompts are admitted as the engine gets to them: before the first step, those of
+        about two steps' token budget, then more after each step (`_admit_ahead`), so on a
+        GPU their admission (steering specs resolved, vectors decoded) runs while the
+        device computes the steps launched before, not ahead of all of them.
+
+        A bad prompt fails the whole call (naming its index) and leaves nothing queued or
+        running.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -64,18 +70,9 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(prompts)} prompts but {len(params)} SamplingParams"
             )
+        todo = list(enumerate(zip(prompts, params, strict=True)))[::-1]  # pop() takes the next
         rids: list[str] = []
-        # One SamplingParams for every prompt: its steering resolves once, not per prompt.
-        with self.engine.interventions.resolver.shared_specs():
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                rid = f"llm-{next(self._ids)}"
-                try:
-                    self.engine.add_request(rid, prompt, p)
-                except InvalidRequestError as e:
-                    for queued in rids:  # all or nothing: drop what this call already queued
-                        self.engine.abort(queued)
-                    raise type(e)(f"prompt {i}: {e}") from None
-                rids.append(rid)
+        self._admit_ahead(todo, rids)
         totals = OutputAccumulator()
         final: dict[str, RequestOutput] = {}
         bar = None
@@ -83,14 +80,43 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(rids), desc="generate", unit="req")
-        while len(final) < len(rids):
+        while todo or len(final) < len(rids):
             for out in totals.finished(self.engine.step()):
                 final[out.request_id] = out
                 if bar is not None:
                     bar.update(1)
+            if todo:
+                self._admit_ahead(todo, rids)
         if bar is not None:
             bar.close()
         return [final[r] for r in rids]
+
+    def _admit_ahead(
+        self, todo: list[tuple[int, tuple[Prompt, SamplingParams]]], rids: list[str]
+    ) -> None:
+        """Admit prompts from the end of `todo` (appending their ids to `rids`) until the
+        engine has two steps' worth of prompt tokens waiting, or a batch of sequences, or
+        `todo` is empty. A bad prompt aborts every request of the call and raises."""
+        engine = self.engine
+        sched = engine.scheduler
+        waiting = sum(s.num_tokens - s.num_computed for s in sched.waiting)
+        budget = 2 * sched.max_num_batched_tokens
+        # One SamplingParams for many prompts: its steering resolves once a wave.
+        with engine.interventions.resolver.shared_specs():
+            while todo and waiting < budget and len(sched.waiting) < sched.max_num_seqs:
+                i, (prompt, p) = todo.pop()
+                rid = f"llm-{next(self._ids)}"
+                try:
+                    engine.add_request(rid, prompt, p)
+                except InvalidRequestError as e:
+                    for admitted in rids:  # all or nothing: drop what this call started
+                        if admitted in engine.requests:  # (not those finished already)
+                            engine.abort(admitted)
+                    todo.clear()
+                    raise type(e)(f"prompt {i}: {e}") from None
+                rids.append(rid)
+                seq = engine.requests[rid].seqs[0]
+                waiting += seq.num_tokens
 
     def chat(
         self,

@@ -110,6 +110,29 @@ def test_a_bad_prompt_late_in_a_long_call_leaves_nothing_queued(model_dir, alone
     assert [o.outputs[0].token_ids for o in outs] == alone
 
 
+def test_generate_admits_prompts_as_the_engine_reaches_them(model_dir):
+    """`LLM.generate` admits about two steps' token budget of prompts before the first step
+    and the rest between steps (on a GPU, while the device computes), and every prompt
+    gets what it gets in a call of its own."""
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    prompts = [f"{w} " * (20 + i) for i, w in enumerate(["harbour", "log", "tide"] * 4)]
+    want = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    engine, seen = llm.engine, []
+
+    def step():
+        seen.append(len(engine.requests))  # admitted and unfinished, as the step starts
+        return type(engine).step(engine)
+
+    engine.step = step
+    try:
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        del engine.step
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert seen[0] < len(prompts), "every prompt was admitted before the first step"
+    assert max(seen) > seen[0], "no prompt was admitted between steps"
+
+
 def test_duplicate_and_unknown_request_ids(model_dir):
     engine = LLMEngine(model_dir, EngineConfig(device="cpu"))
     engine.add_request("x", "hello", GREEDY)
