@@ -86,8 +86,9 @@ def profile_runs(
     out: Path,
 ) -> None:
     """One more run of each config under cProfile: its 30 costliest functions by own time
-    (where the host's time goes: admission, planning, page-locking, a wait on the device)
-    in `out/<config>.txt`."""
+    (where the host's time goes: admission, planning, page-locking, a wait on the device),
+    then its 40 costliest by cumulative time (which caller it goes through), in
+    `out/<config>.txt`."""
     out.mkdir(parents=True, exist_ok=True)
     for name, params in configs.items():
         profiler = cProfile.Profile()
@@ -95,7 +96,9 @@ def profile_runs(
         run_coxswain(llm, name, work, params, device)
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
         (out / f"{name.replace(' ', '-').replace('=', '')}.txt").write_text(text.getvalue())
     print(f"profiles of one run per config: {out}")
 
