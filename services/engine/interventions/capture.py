@@ -116,7 +116,7 @@ class InlineCaptureSink:
             gathered = host_empty(shape, dtype)
             if parts[0].dtype == dtype:
                 torch.stack(parts, dim=1, out=gathered)
-            else:  # stacked in the block's (narrower) dtype, widened in one pass
+            else:  # stacked in the block's dtype, converted in one pass
                 gathered.copy_(torch.stack(parts, dim=1))
             out = {k: gathered[j] for j, k in enumerate(keys)}
         for k in keys:

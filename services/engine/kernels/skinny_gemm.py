@@ -15,7 +15,8 @@ so one launch gives the finished rows:
   between them (the reference computes in float32 the same way).
 
 Off unless `EngineConfig.skinny_gemm` is set (CUDA only), until its speed against cuBLAS
-has been measured on the GPUs we serve on (`benchmarks/decode.py --engine skinny_gemm=true`).
+has been measured on the GPUs we serve on (`benchmarks/decode.py --systems
+coxswain,coxswain-skinny`).
 """
 
 import torch
