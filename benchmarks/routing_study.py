@@ -873,6 +873,31 @@ def quarantine_table(same_basis: list[dict], lora: list[dict]) -> str:
     return "\n".join(out)
 
 
+def oracle_table(designs: list[dict], oracle: list[dict]) -> str:
+    """Each design with its label-free flags, its rate-matched placebo and the labels' flags
+    (`~oracle`: the design's bound) side by side, on the runs (base, seed) all three share:
+    the deployed policy's hack among well-formed answers, true pass and well-formed rate,
+    means with 95% t-intervals."""
+    keys = ("deploy_well_formed_hack_rate", "deploy_true_pass", "deploy_well_formed_rate")
+    heads = ("deploy hack among well-formed", "deploy true pass", "deploy well-formed")
+    records = designs + oracle
+    out = [
+        "| design | flags | runs | " + " | ".join(heads) + " |",
+        "|---" * (len(keys) + 3) + "|",
+    ]
+    for arm in dict.fromkeys(r["arm"].removesuffix("~oracle") for r in oracle):
+        variants = [(arm, "label-free"), (f"{arm}~placebo", "placebo"), (f"{arm}~oracle", "oracle")]
+        shared = set.intersection(
+            *({(r["base"], r["seed"]) for r in records if r["arm"] == name} for name, _ in variants)
+        )
+        for name, flags in variants:
+            rows = [r for r in records if r["arm"] == name and (r["base"], r["seed"]) in shared]
+            cells = [mean_cell([r[k] for r in rows if r.get(k) is not None], len(rows))
+                     for k in keys]  # fmt: skip
+            out.append(f"| {arm} | {flags} | {len(rows)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def readme_tables(records: Path = RECORDS) -> dict[str, str]:
     """Every README block the records regenerate, by marker name (`routing-table:NAME`)."""
     return {
@@ -882,6 +907,10 @@ def readme_tables(records: Path = RECORDS) -> dict[str, str]:
             load_records(records / "cpu.jsonl"), load_records(records / "cpu-lora.jsonl")
         ),
         "cpu-carry-designs": tables(load_records(records / "cpu-carry-designs.jsonl")),
+        "cpu-carry-oracle": oracle_table(
+            load_records(records / "cpu-carry-designs.jsonl"),
+            load_records(records / "cpu-carry-oracle.jsonl"),
+        ),
     }
 
 
@@ -900,7 +929,8 @@ def update_readme(text: str, blocks: dict[str, str]) -> str:
         old = readme_block(text, name)
         opening = f"<!-- routing-table:{name} -->"
         head, tail = text.split(opening)
-        text = head + opening + tail.replace(old, block, 1)
+        # a new, empty block gets the table on lines of its own
+        text = head + opening + (tail.replace(old, block, 1) if old else f"\n{block}" + tail)
     return text
 
 

@@ -81,6 +81,10 @@ def test_update_readme_replaces_only_the_blocks_between_their_markers():
     assert study.readme_block(new, "x") == "new | table"
     with pytest.raises(SystemExit, match="routing-table:y"):
         study.readme_block(text, "y")
+    empty = "a\n<!-- routing-table:x -->\n<!-- /routing-table:x -->\n"
+    assert study.update_readme(empty, {"x": "| t |"}) == (
+        "a\n<!-- routing-table:x -->\n| t |\n<!-- /routing-table:x -->\n"
+    )
 
 
 def _record(arm: str, base: int, seed: int, hack: float, true_pass: float, **extra) -> dict:
