@@ -79,7 +79,7 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(rids), desc="generate", unit="req")
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
         while todo or len(final) < len(rids):
             for out in totals.finished(self.engine.step()):
                 final[out.request_id] = out

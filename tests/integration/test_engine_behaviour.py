@@ -133,6 +133,12 @@ def test_generate_admits_prompts_as_the_engine_reaches_them(model_dir):
     assert max(seen) > seen[0], "no prompt was admitted between steps"
 
 
+def test_generate_progress_counts_every_prompt_not_the_first_wave(model_dir, capsys):
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    llm.generate([f"{w} " * 30 for w in ["harbour", "log", "tide"] * 3], GREEDY, use_tqdm=True)
+    assert "9/9" in capsys.readouterr().err
+
+
 def test_duplicate_and_unknown_request_ids(model_dir):
     engine = LLMEngine(model_dir, EngineConfig(device="cpu"))
     engine.add_request("x", "hello", GREEDY)
