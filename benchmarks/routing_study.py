@@ -898,6 +898,35 @@ def oracle_table(designs: list[dict], oracle: list[dict]) -> str:
     return "\n".join(out)
 
 
+def calibration_table(fixed: list[dict], calibrated: list[dict]) -> str:
+    """The arms run with a calibrated gate against the same arms, bases and seeds with τ
+    fixed: the deployed policy's hack among well-formed answers, true pass and well-formed
+    rate, and the flags' rate, precision and recall against the oracle (means with 95%
+    t-intervals), a row per (arm, run). A placebo row is the placebo of its run's arm (at
+    that arm's flag rate)."""
+    keys = (
+        "deploy_well_formed_hack_rate", "deploy_true_pass", "deploy_well_formed_rate",
+        "flag_rate", "flag_precision", "flag_recall",
+    )  # fmt: skip
+    heads = (
+        "deploy hack among well-formed", "deploy true pass", "deploy well-formed", "flagged",
+        "flag precision", "flag recall",
+    )  # fmt: skip
+    runs = {(r["arm"], r["base"], r["seed"]) for r in calibrated}
+    how = gate_calibration(calibrated).removeprefix(", gate calibration ")
+    out = ["| arm | run | runs | " + " | ".join(heads) + " |", "|---" * (len(keys) + 3) + "|"]
+    for arm in dict.fromkeys(r["arm"] for r in calibrated):
+        for records, run in ((fixed, "τ fixed"), (calibrated, f"calibrated: {how}")):
+            rows = [r for r in records if (r["arm"], r["base"], r["seed"]) in runs]
+            rows = [r for r in rows if r["arm"] == arm]
+            if not rows:
+                continue
+            cells = [mean_cell([r[k] for r in rows if r.get(k) is not None], len(rows))
+                     for k in keys]  # fmt: skip
+            out.append(f"| {arm} | {run} | {len(rows)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def readme_tables(records: Path = RECORDS) -> dict[str, str]:
     """Every README block the records regenerate, by marker name (`routing-table:NAME`)."""
     return {
@@ -910,6 +939,10 @@ def readme_tables(records: Path = RECORDS) -> dict[str, str]:
         "cpu-carry-oracle": oracle_table(
             load_records(records / "cpu-carry-designs.jsonl"),
             load_records(records / "cpu-carry-oracle.jsonl"),
+        ),
+        "cpu-carry-midpoint": calibration_table(
+            load_records(records / "cpu-carry-designs.jsonl"),
+            load_records(records / "cpu-carry-midpoint.jsonl"),
         ),
     }
 
