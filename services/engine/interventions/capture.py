@@ -103,8 +103,8 @@ class InlineCaptureSink:
             for p in positions:
                 hit = blocks.get(p)
                 if hit is None:
-                    if filler is None:
-                        like = next(iter(blocks.values()))[0].host
+                    if filler is None:  # in the drained rows' dtype, as the other parts
+                        like = next(iter(blocks.values()))[0].rows()
                         filler = like.new_zeros(len(keys), like.shape[-1])
                     parts.append(filler)
                     continue

@@ -128,7 +128,7 @@ class SteeringTables:
     # -- rows ---------------------------------------------------------------------------
 
     def _staging(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed host tensor to fill and `_upload`: pinned on CUDA."""
+        """A zeroed host tensor to fill and copy up (`_scatter`): pinned on CUDA."""
         return torch.zeros(*shape, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:

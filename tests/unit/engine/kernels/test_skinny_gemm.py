@@ -30,7 +30,7 @@ def _case(M: int, K: int, N: int, bias: bool, seed: int = 0, dtype=torch.float32
 def test_the_reference_is_the_linear_layer(bias):
     x, w, b = _case(3, 40, 24, bias)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    assert torch.allclose(skinny_linear_reference(x, w, b).double(), want, atol=1e-5)
+    assert torch.allclose(skinny_linear_reference(x, w, b).double(), want, atol=1e-4)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -40,7 +40,7 @@ def test_gated_is_silu_of_the_gate_rows_times_the_up_rows(bias):
     want = silu_mul_reference(gate_up)
     got = skinny_linear_reference(x, w, b, gated=True)
     assert got.shape == (5, 12)
-    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert torch.allclose(got.double(), want, atol=1e-4)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs Triton on CPU tensors")
