@@ -174,8 +174,8 @@ class SteeringTables:
                 for (layer, s), v in content.vectors.items():
                     if s == site:  # a vector given for many layers is one tensor: one copy
                         layers.setdefault(id(v), (v, []))[1].append(layer)
-                for v, at in layers.values():
-                    staged[i, at] = v
+                for v, at in layers.values():  # index_put does not cast: the table's dtype
+                    staged[i, at] = v.to(staged.dtype)
             self._scatter(self.vec[site], [row for row, _ in entries], staged)
         for site, entries in gate_rows.items():
             probe = self._staging(len(entries), L, H, dtype=self.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.engine.interventions.actions import ActionQueue, SteeringScaleUpdate
@@ -45,15 +46,17 @@ def test_the_queue_drops_the_newest_and_counts_by_source():
     assert q.drain() == [("x", a)] and len(q) == 0
 
 
-def test_rows_written_between_steps_reach_the_tables_together_at_the_flush():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_written_between_steps_reach_the_tables_together_at_the_flush(dtype):
     """`write_row` queues; `flush` writes every queued row at once: each row's vectors at
     every layer of each of its sites (zero where it has none), its gates' probe, vector and
     parameters; a row cleared before the flush never reaches the tables, one cleared after
-    it is zero again."""
+    it is zero again. Float32 vectors go into bf16 tables too (the model's dtype; the
+    values here are exact in both)."""
     from services.engine.interventions.resolve import GateRow
 
     L, H = 3, 4
-    t = SteeringTables(L, H, torch.device("cpu"), torch.float32, per_request_rows=4, dynamic_rows=0)
+    t = SteeringTables(L, H, torch.device("cpu"), dtype, per_request_rows=4, dynamic_rows=0)
     shared = torch.arange(H, dtype=torch.float32)
     gate = GateRow(torch.ones(H), -torch.ones(H), 0.5, 3.0, 2.0, True, False, 4)
     a = row_content({(0, "post_block"): shared, (2, "post_block"): shared,
@@ -65,14 +68,14 @@ def test_rows_written_between_steps_reach_the_tables_together_at_the_flush():
     assert not t.vec["post_block"].any()  # queued, not yet written
     t.clear_row(5, gone)
     t.flush()
-    want = torch.zeros(L, t.num_rows, H)
+    want = torch.zeros(L, t.num_rows, H, dtype=dtype)
     want[0, 3] = want[2, 3] = shared
     want[1, 4] = -shared
     torch.testing.assert_close(t.vec["post_block"], want, rtol=0, atol=0)
-    assert torch.equal(t.vec["pre_attn"][1, 3], shared + 10)
+    assert torch.equal(t.vec["pre_attn"][1, 3], (shared + 10).to(dtype))
     assert t.vec["pre_attn"].count_nonzero() == H  # that row alone
-    assert torch.equal(t.gate_probe["post_attn"][2, 4], torch.ones(H))
-    assert torch.equal(t.gate_vec["post_attn"][2, 4], -torch.ones(H))
+    assert torch.equal(t.gate_probe["post_attn"][2, 4], torch.ones(H, dtype=dtype))
+    assert torch.equal(t.gate_vec["post_attn"][2, 4], -torch.ones(H, dtype=dtype))
     params = t.gate_params["post_attn"][2, 4].tolist()
     assert params == [1.0, 0.5, 3.0, 2.0, 1.0, 4.0, 0.0]
     assert not t.gate_params["post_attn"][:2].any() and t.site_use[(2, "post_attn")] == 1
