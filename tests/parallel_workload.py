@@ -4,6 +4,8 @@ and read-outs in one continuous batch. Module-level so spawned ranks can import 
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import time
 
 import torch
@@ -267,6 +269,13 @@ def plain_decode(engine) -> dict:
         "graph_steps": engine.stats()["num_graph_steps"],
         "fused": engine.runner.ctx.fused_norm is not None,
     }
+
+
+def linger(seconds: float) -> None:
+    """A rank that will not exit after the driver's result (a stuck teardown); it prints
+    its stacks on SIGUSR1, as `local_replica`'s ranks do."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    time.sleep(seconds)
 
 
 def stalled(engine) -> str:

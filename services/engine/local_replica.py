@@ -4,9 +4,11 @@ their ranks as Ray actors: `services/engine/actors.py`)."""
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -18,6 +20,8 @@ import torch.distributed as dist
 from services.common.net import free_port
 from services.engine.distributed import init_replica, run_worker
 from services.engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
 
 
 def launch_local(
@@ -56,10 +60,7 @@ def launch_local(
     try:
         status, value = _first_result(results, procs, timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+        _reap(procs, grace_s=10.0)
     if status != "ok":
         raise RuntimeError(f"the replica's driver failed:\n{value}")
     return pickle.loads(value)
@@ -80,6 +81,29 @@ def _first_result(results: Any, procs: list, timeout_s: float) -> tuple[str, Any
                 return "error", f"the replica's driver did not finish within {timeout_s:g} s"
 
 
+def _reap(procs: list, grace_s: float) -> None:
+    """Let the ranks exit on their own for `grace_s` in all, then stop the rest: the
+    driver's result is in hand, so a rank still tearing down holds nothing we need. (On
+    four H200s the three NCCL workers of a tiny TP=4 replica each outlived a 30 s join
+    after the driver returned, 90 s a launch.) A rank stopped here first prints its
+    stacks to its stderr (SIGUSR1, `_local_rank`), which says where it was stuck."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [(rank, p) for rank, p in enumerate(procs) if p.is_alive()]
+    for rank, p in stuck:
+        log.warning("rank %d still running %g s after the replica's result: stopping it", rank,
+                    grace_s)  # fmt: skip
+        os.kill(p.pid, signal.SIGUSR1)
+    if stuck:
+        time.sleep(1.0)  # the stacks out before the stop
+    for _, p in stuck:
+        p.terminate()
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+
+
 def _local_rank(
     rank: int,
     tp_size: int,
@@ -97,6 +121,7 @@ def _local_rank(
     # A hung replica (a collective one rank never reaches) says where each rank waits: the
     # stacks come out before the parent gives up on it (`COXSWAIN_HANG_DUMP_S` sooner).
     faulthandler.dump_traceback_later(float(os.environ.get("COXSWAIN_HANG_DUMP_S", dump_after_s)))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `_reap`'s, before it stops us
     fused = getattr(engine_config, "fused_all_reduce_norm", False)
     microbatches = getattr(engine_config, "pipeline_microbatches", 1)
     ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type, fused, microbatches)
