@@ -94,7 +94,9 @@ class EngineConfig:
     # CUDA: decoder Linears of steps with at most 16 tokens (small-batch decode) run one
     # Triton kernel each instead of cuBLAS (no split-K reduction), the gated MLP's
     # activation inside the gate-up one (kernels/skinny_gemm.py): fewer launches where a
-    # small model's batch-1 step is bound by them. Off by default until measured on GPUs.
+    # small model's batch-1 step is bound by them. Off by default: on one H200 it gave
+    # 1.06x at batch 1 on the Qwen3-0.6B shape but 0.95x at batch 8 and 0.91x on the
+    # Llama-3-8B shape, where it reads weights slower than cuBLAS (benchmarks/README.md).
     skinny_gemm: bool = False
     # Pipeline-parallel replicas: overlapped decode steps take turns over this many disjoint
     # parts of the running batch, so each stage computes one part while the next stage
