@@ -56,9 +56,9 @@ proto:
 		$(PROTO_OUT)/coxswain/v1/*_pb2*.py $(PROTO_OUT)/coxswain/v1/*_pb2.pyi
 	rm -f $(PROTO_OUT)/coxswain/v1/*.orig
 
-# On a CUDA machine (the device tool): PYTHONPATH=. python3 -m pytest -q tests/gpu
-# (GPU_TESTS: a part of it, e.g. tests/gpu/test_parallel_nccl.py)
-GPU_TESTS ?= tests/gpu
+# On a CUDA machine (the device tool): tests/gpu and the bf16 tests that run on CPU and CUDA
+# alike (GPU_TESTS: a part of them, e.g. tests/gpu/test_parallel_nccl.py)
+GPU_TESTS ?= tests/gpu tests/integration/test_oracle_bf16.py tests/integration/test_steering_bf16.py
 gpu-test:
 	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q $(GPU_TESTS)
 

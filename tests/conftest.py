@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.engine.model.tiny import make_tiny_checkpoint
 
@@ -25,6 +26,14 @@ os.environ.pop("RAY_ADDRESS", None)
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# bf16 tests run on CPU (the reference kernels: dtype paths, casts) and, where there is one,
+# on CUDA (Triton kernels, graphs).
+BF16_DEVICES = (
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The oracle tests on CUDA in bfloat16 (run on the device: `make gpu-test`).
+"""The oracle tests in bfloat16, on CPU and on CUDA where there is one (`make gpu-test`
+runs this file too).
 
 bfloat16 keeps 8 bits of mantissa: logits near 30 are rounded to multiples of 0.125, so
 exact token equality with any reference is not a sound test (a near-tie can flip). So:
@@ -16,11 +17,9 @@ import pytest
 import torch
 
 from services.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import ARCHS
+from tests.conftest import ARCHS, BF16_DEVICES
 from tests.oracle import hf_model
 from tests.staggered import run_staggered
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROMPT_LENS = (5, 17, 33, 50)
 GEN = 32
@@ -35,23 +34,28 @@ def _prompts(vocab: int = 512) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _ref_logits(path, ids: list[int], dtype=torch.float32) -> torch.Tensor:
-    model = hf_model(path, dtype, "cuda")
-    return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+def _ref_logits(path, ids: list[int], device: str, dtype=torch.float32) -> torch.Tensor:
+    model = hf_model(path, dtype, device)
+    return model(torch.tensor([ids], device=device)).logits[0].float().cpu()
 
 
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=1e-3))) - 7)
 
 
-def _assert_greedy_consistent(path, prompt: list[int], tokens: list[int]) -> float:
+def _assert_greedy_consistent(path, device: str, prompt: list[int], tokens: list[int]) -> float:
     """Largest lag of our token behind the fp32 argmax, in bf16 ulps of the top logit."""
     assert len(tokens) == GEN
-    logits = _ref_logits(path, prompt + tokens)[len(prompt) - 1 : -1]  # [GEN, V]
+    logits = _ref_logits(path, prompt + tokens, device)[len(prompt) - 1 : -1]  # [GEN, V]
     top = logits.max(dim=-1).values
     trail = (top - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]) / _bf16_ulp(top)
     assert float(trail.max()) <= TOKEN_ULPS, f"a token trails the fp32 argmax by {trail.max()} ulp"
     return float(trail.max())
+
+
+@pytest.fixture(scope="module", params=BF16_DEVICES)
+def device(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -59,14 +63,14 @@ def case(request, tiny_checkpoint):
     return request.param, tiny_checkpoint(request.param), _prompts()
 
 
-def test_prompt_logprobs_bf16(case):
+def test_prompt_logprobs_bf16(case, device):
     arch, path, prompts = case
-    llm = LLM(path, device="cuda", dtype="bfloat16")
+    llm = LLM(path, device=device, dtype="bfloat16")
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
     ours, theirs = [], []
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = torch.log_softmax(_ref_logits(path, prompt), dim=-1)
-        hf16 = torch.log_softmax(_ref_logits(path, prompt, torch.bfloat16), dim=-1)
+        ref = torch.log_softmax(_ref_logits(path, prompt, device), dim=-1)
+        hf16 = torch.log_softmax(_ref_logits(path, prompt, device, torch.bfloat16), dim=-1)
         for pos in range(1, len(prompt)):
             t = prompt[pos]
             ours.append(abs(out.prompt_logprobs[pos][t] - float(ref[pos - 1, t])))
@@ -80,33 +84,35 @@ def test_prompt_logprobs_bf16(case):
 
 
 @pytest.mark.parametrize("mode", ["batch", "staggered", "chunked", "preempt"])
-def test_greedy_bf16(case, mode):
+def test_greedy_bf16(case, device, mode):
     arch, path, prompts = case
     if mode == "batch":
-        outs = LLM(path, device="cuda", dtype="bfloat16").generate(prompts, GREEDY)
+        outs = LLM(path, device=device, dtype="bfloat16").generate(prompts, GREEDY)
         tokens = [o.outputs[0].token_ids for o in outs]
     elif mode == "staggered":
-        engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16"))
+        engine = LLMEngine(path, EngineConfig(device=device, dtype="bfloat16"))
         tokens = run_staggered(engine, prompts, GREEDY, 3)
     elif mode == "chunked":
-        cfg = EngineConfig(device="cuda", dtype="bfloat16", max_num_batched_tokens=7)
+        cfg = EngineConfig(device=device, dtype="bfloat16", max_num_batched_tokens=7)
         tokens = run_staggered(LLMEngine(path, cfg), prompts, GREEDY, 2)
     else:
-        llm = LLM(path, device="cuda", dtype="bfloat16", block_size=8, num_kv_blocks=12)
+        llm = LLM(path, device=device, dtype="bfloat16", block_size=8, num_kv_blocks=12)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.engine.stats()["num_preemptions"] > 0
-    trails = [_assert_greedy_consistent(path, p, t) for p, t in zip(prompts, tokens, strict=True)]
+    trails = [
+        _assert_greedy_consistent(path, device, p, t) for p, t in zip(prompts, tokens, strict=True)
+    ]
     print(f"[{arch}/{mode}] greedy tokens trail the fp32 argmax by <= {max(trails):.2f} bf16 ulp")
 
 
-def test_prefix_cache_bf16(tiny_checkpoint):
+def test_prefix_cache_bf16(tiny_checkpoint, device):
     path = tiny_checkpoint("llama")
     rng = random.Random(1)
     prefix = [rng.randrange(8, 512) for _ in range(64)]
-    llm = LLM(path, device="cuda", dtype="bfloat16")
+    llm = LLM(path, device=device, dtype="bfloat16")
     llm.generate([prefix + [9, 10, 11]], GREEDY)
     hit = llm.generate([prefix + [12, 13]], GREEDY)[0]
-    miss = LLM(path, device="cuda", dtype="bfloat16", enable_prefix_caching=False).generate(
+    miss = LLM(path, device=device, dtype="bfloat16", enable_prefix_caching=False).generate(
         [prefix + [12, 13]], GREEDY
     )[0]
     assert hit.num_cached_tokens >= 48 and miss.num_cached_tokens == 0
