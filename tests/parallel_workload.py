@@ -271,10 +271,11 @@ def plain_decode(engine) -> dict:
     }
 
 
-def linger(seconds: float) -> None:
+def linger(seconds: float, ready) -> None:
     """A rank that will not exit after the driver's result (a stuck teardown); it prints
-    its stacks on SIGUSR1, as `local_replica`'s ranks do."""
+    its stacks on SIGUSR1, as `local_replica`'s ranks do, from when it sets `ready`."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    ready.set()
     time.sleep(seconds)
 
 
