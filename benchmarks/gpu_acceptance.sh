@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements a CUDA host owes us, in one run: the GPU tests, then the
+# benchmarks whose numbers `benchmarks/README.md` reports, each step under its own time limit
+# and all of them under BUDGET_S, with each step's whole log in OUT. What a platform engineer
+# runs on a new host, and what a session with a short lease on one runs first: a step that
+# hangs costs its limit, not the lease, and the summary says which steps ran.
+#
+#   benchmarks/gpu_acceptance.sh [STEP...]   default: every step below, in order
+#   OUT=runs/gpu-acceptance                  where the logs go
+#   BUDGET_S=1500                            no step starts past this many seconds
+#
+# Steps (GPUs needed; limit):
+#   tests       the one-GPU tests: tests/gpu and the bf16 ones, on GPU 0 (1; 420 s)
+#   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 480 s)
+#   decode      decode.py, ceiling and Coxswain, Qwen3-0.6B and Llama-3-8B shapes (1; 240 s)
+#   profile     profile_decode.py's kernel table, and the Llama-3-8B batch-256 step (1; 200 s)
+#   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
+#   tp          decode.py --parallel 2x1,2x1f,1x2 on the Llama-3-8B shape (2; 300 s)
+#   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
+# A step whose GPUs the host lacks is skipped, and says so. Run from the repository root with
+# the dependencies importable (`deploy/offline/install.sh` on a host without internet).
+set -uo pipefail
+
+OUT=${OUT:-runs/gpu-acceptance}
+BUDGET_S=${BUDGET_S:-1500}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+start=$SECONDS
+summary=()
+noise='TCPStore|frame #|Exception raised|ProcessGroupNCCL.cpp|^$'
+
+# step NAME GPUS LIMIT_S CMD...: run CMD with its output in OUT/NAME.log, then print its tail.
+step() {
+    local name=$1 need=$2 limit=$3
+    shift 3
+    local left=$((BUDGET_S - (SECONDS - start)))
+    if ((gpus < need)); then
+        summary+=("$name: skipped (needs $need GPUs, this host has $gpus)")
+        return
+    fi
+    if ((left <= 30)); then
+        summary+=("$name: skipped (the budget of ${BUDGET_S} s is spent)")
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name (limit ${limit} s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    grep -v -E "$noise" "$OUT/$name.log" | tail -n 25
+    local how="rc $rc"
+    ((rc == 124)) && how="stopped at its limit"
+    summary+=("$name: $how, $((SECONDS - t0)) s (log: $OUT/$name.log)")
+}
+
+run() {
+    local one=(CUDA_VISIBLE_DEVICES=0)
+    case $1 in
+    tests)
+        step tests 1 420 env "${one[@]}" python3 -m pytest -q tests/gpu \
+            --deselect tests/gpu/test_parallel_nccl.py \
+            tests/integration/test_oracle_bf16.py tests/integration/test_steering_bf16.py ;;
+    tests-nccl)
+        step tests-nccl 2 480 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
+    decode)
+        step decode 1 240 bash -c "
+            ${one[*]} python3 benchmarks/decode.py --shape qwen3-0.6b --systems ceiling,coxswain \
+                --batch-sizes 1,32,128 &&
+            ${one[*]} python3 benchmarks/decode.py --shape llama3-8b --systems ceiling,coxswain \
+                --batch-sizes 1,32,128" ;;
+    profile)
+        step profile 1 200 bash -c "
+            ${one[*]} python3 benchmarks/profile_decode.py --batch-sizes 1,32,128 &&
+            ${one[*]} python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
+                --batch-sizes 256 --profile $OUT/profile-b256" ;;
+    steering)
+        step steering 1 240 env "${one[@]}" python3 benchmarks/steering_overhead.py \
+            --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
+            --vocab 151936 --num-seqs 128 --prompt-len 512 --output-len 64 \
+            --max-num-batched-tokens 16384 --skip-hf --repeats 2 --ks 1,128 \
+            --steer-layers "$(seq -s, 0 27)" --decode-steps 64 --profile "$OUT/profile-steering" ;;
+    tp)
+        step tp 2 300 python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
+            --batch-sizes 1,32,128 --parallel 2x1,2x1f,1x2 ;;
+    70b)
+        step 70b 4 600 python3 benchmarks/decode.py --shape llama3-70b --systems none \
+            --parallel 4x1,4x1f --batch-sizes 1,32 --steps 32 --interventions ;;
+    *)
+        echo "unknown step $1 (tests tests-nccl decode profile steering tp 70b)" >&2
+        exit 2 ;;
+    esac
+}
+
+steps=("$@")
+((${#steps[@]})) || steps=(tests tests-nccl decode profile steering tp 70b)
+nvidia-smi -L 2>/dev/null
+for s in "${steps[@]}"; do
+    run "$s"
+done
+echo "== summary ($((SECONDS - start)) s of a ${BUDGET_S} s budget)"
+printf '%s\n' "${summary[@]}"
