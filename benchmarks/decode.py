@@ -13,6 +13,10 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
 - coxswain: `LLMEngine.step()` after every request has prefilled;
 - coxswain-skinny: the same with `EngineConfig.skinny_gemm` (CUDA: the decoder Linears of
   steps of at most 16 tokens on `kernels/skinny_gemm.py`), and its rate over coxswain's;
+- coxswain-lt: the same engine with PyTorch's GEMMs on cuBLASLt
+  (`torch.backends.cuda.preferred_blas_library("cublaslt")` while it is built, its graphs
+  captured and run), and its rate over coxswain's: whether cuBLASLt's choice for a
+  one-row GEMM (no split-K reduce kernel?) beats cuBLAS's at small batch;
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -29,6 +33,7 @@ Prints numbers only; it is never a pass/fail test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -36,6 +41,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -220,6 +226,25 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
     }
 
 
+# The one-process engines, each its own row: plain; `EngineConfig.skinny_gemm`; cuBLASLt.
+ONE_PROCESS = ("coxswain", "coxswain-skinny", "coxswain-lt")
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """PyTorch's preferred BLAS library (`torch.backends.cuda.preferred_blas_library`) set to
+    `name` inside the block, and back after; None leaves it alone (and off CUDA, always)."""
+    if name is None or not torch.cuda.is_available():
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def bench_coxswain(
     engine: LLMEngine,
     prompts,
@@ -390,21 +415,22 @@ def main(argv: list[str] | None = None) -> None:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.6,
     )
-    for system in ("coxswain", "coxswain-skinny"):  # the latter: EngineConfig.skinny_gemm
+    for system in ONE_PROCESS:
         if system not in systems:
             continue
         t = time.perf_counter()
         config = dataclasses.replace(engine_config, skinny_gemm=system.endswith("skinny"))
-        engine = LLMEngine(args.model, config)
-        print(f"{system} engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
-        for b in batches:
-            profile = args.profile and args.profile / system / f"batch{b}.txt"
-            results[system][b] = bench_coxswain(engine, prompts[b], args.steps, profile)
-            if args.interventions:
-                results.setdefault(system + "+iv", {})[b] = bench_coxswain(
-                    engine, prompts[b], args.steps, interventions=True
-                )
-        del engine
+        with blas_library("cublaslt" if system.endswith("-lt") else None):
+            engine = LLMEngine(args.model, config)
+            print(f"{system} engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
+            for b in batches:
+                profile = args.profile and args.profile / system / f"batch{b}.txt"
+                results[system][b] = bench_coxswain(engine, prompts[b], args.steps, profile)
+                if args.interventions:
+                    results.setdefault(system + "+iv", {})[b] = bench_coxswain(
+                        engine, prompts[b], args.steps, interventions=True
+                    )
+            del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
     shapes = [(args.tp, args.pp, "")]
@@ -469,10 +495,11 @@ def main(argv: list[str] | None = None) -> None:
         if one and many:
             ratios = ", ".join(f"batch {b} {many[b] / one[b]:.2f}×" for b in batches)
             print(f"{name} ÷ one process: {ratios}")
-    skinny = results.get("coxswain-skinny", {})
-    if one and skinny:
-        ratios = ", ".join(f"batch {b} {skinny[b] / one[b]:.2f}×" for b in batches)
-        print(f"coxswain-skinny ÷ coxswain: {ratios}")
+    for name in ONE_PROCESS[1:]:
+        other = results.get(name, {})
+        if one and other:
+            ratios = ", ".join(f"batch {b} {other[b] / one[b]:.2f}×" for b in batches)
+            print(f"{name} ÷ coxswain: {ratios}")
     for name in [n for n in names if n.endswith("+iv")]:
         plain = results[name.removesuffix("+iv")]
         ratios = ", ".join(f"batch {b} {results[name][b] / plain[b]:.0%}" for b in batches)

@@ -12,7 +12,7 @@
 # Steps (GPUs needed; limit):
 #   tests       the one-GPU tests: tests/gpu and the bf16 ones, on GPU 0 (1; 420 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 480 s)
-#   decode      decode.py, ceiling and Coxswain, Qwen3-0.6B and Llama-3-8B shapes (1; 240 s)
+#   decode      decode.py: ceiling, Coxswain, Coxswain on cuBLASLt; Qwen3-0.6B, Llama-3-8B (1; 240 s)
 #   profile     profile_decode.py's kernel table, and the Llama-3-8B batch-256 step (1; 200 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
 #   tp          decode.py --parallel 2x1,2x1f,1x2 on the Llama-3-8B shape (2; 300 s)
@@ -65,10 +65,10 @@ run() {
         step tests-nccl 2 480 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
         step decode 1 240 bash -c "
-            ${one[*]} python3 benchmarks/decode.py --shape qwen3-0.6b --systems ceiling,coxswain \
-                --batch-sizes 1,32,128 &&
-            ${one[*]} python3 benchmarks/decode.py --shape llama3-8b --systems ceiling,coxswain \
-                --batch-sizes 1,32,128" ;;
+            ${one[*]} python3 benchmarks/decode.py --shape qwen3-0.6b \
+                --systems ceiling,coxswain,coxswain-lt --batch-sizes 1,32,128 &&
+            ${one[*]} python3 benchmarks/decode.py --shape llama3-8b \
+                --systems ceiling,coxswain,coxswain-lt --batch-sizes 1,32,128" ;;
     profile)
         step profile 1 200 bash -c "
             ${one[*]} python3 benchmarks/profile_decode.py --batch-sizes 1,32,128 &&
