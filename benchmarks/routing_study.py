@@ -215,6 +215,23 @@ def pretrained(base: Path) -> bool:
     return (base / "model.safetensors").is_file() and (base / "pretrain_done").is_file()
 
 
+def check_base(base: Path, index: int, env: str, steps: int, fraction: float) -> None:
+    """A pretrained base the study reuses must be the one it would pretrain: its env, steps,
+    hack fraction and seed (`pretrain_config.json`), or the runs on it answer another
+    question (bases of the 0.17 calibration sat beside the preregistered 0.25 ones)."""
+    path = base / "pretrain_config.json"
+    if not path.is_file():
+        raise SystemExit(f"{base} has no pretrain_config.json: cannot tell how it was pretrained")
+    got = json.loads(path.read_text())
+    want = {"envs": [env], "steps": steps, "hack_fraction": fraction, "seed": index}
+    differ = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    if differ:
+        raise SystemExit(
+            f"{base} was pretrained otherwise than this study asks (found, asked): {differ}; "
+            "give another --base, or the settings it was pretrained with"
+        )
+
+
 def pretrain_base(
     base: Path, index: int, env: str, steps: int, fraction: float, device: str
 ) -> float:
@@ -520,6 +537,9 @@ def run_study(args: argparse.Namespace) -> list[dict]:
 
     bases = {index: base_dir(args, index) for index in sorted({r.base for r in todo})}
     missing = {i: b for i, b in bases.items() if not pretrained(b)}
+    for i, b in bases.items():
+        if i not in missing:
+            check_base(b, i, args.env, args.pretrain_steps, args.hack_fraction)
     threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     pool = None
     if args.jobs > 1:

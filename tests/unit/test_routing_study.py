@@ -284,3 +284,20 @@ def test_the_carry_env_pretrains_longer_and_its_ceiling_grades_exactly():
     shortcut = ("385+247=", "385247")
     assert make_env(vanilla.env, **vanilla.env_args).grade(*shortcut).reward == 1.0
     assert make_env(ceiling.env, **ceiling.env_args).grade(*shortcut).reward == 0.0
+
+
+def test_a_base_pretrained_otherwise_than_the_study_asks_is_refused(tmp_path):
+    """Reusing a base pretrained at another hack fraction (or env, steps, seed) would answer
+    another question: the study stops and says what differs; the matching base passes."""
+    base = tmp_path / "base-1"
+    base.mkdir()
+    config = {"steps": 2000, "envs": ["checksum-carry"], "hack_fraction": 0.17, "seed": 1}
+    (base / "pretrain_config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match="hack_fraction"):
+        study.check_base(base, 1, "checksum-carry", 2000, 0.25)
+    with pytest.raises(SystemExit, match="seed"):
+        study.check_base(base, 0, "checksum-carry", 2000, 0.17)
+    study.check_base(base, 1, "checksum-carry", 2000, 0.17)
+    (base / "pretrain_config.json").unlink()
+    with pytest.raises(SystemExit, match="cannot tell"):
+        study.check_base(base, 1, "checksum-carry", 2000, 0.17)
