@@ -18,8 +18,8 @@
 #   tp          decode.py --parallel 2x1,2x1f,1x2 on the Llama-3-8B shape (2; 300 s)
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
 #   routing     only when named: the routing study's device headline, 8 runs a GPU, resumed
-#               into ROUTING_JSONL (default docs/routing_study/device-carry.jsonl) for the
-#               rest of the budget (1; what is left)
+#               into ROUTING_JSONL (default docs/routing_study/device-carry.jsonl, copied
+#               into OUT after) for the rest of the budget (1; what is left)
 # A step whose GPUs the host lacks is skipped, and says so. Run from the repository root with
 # the dependencies importable (`deploy/offline/install.sh` on a host without internet).
 set -uo pipefail
@@ -90,10 +90,12 @@ run() {
         step 70b 4 600 python3 benchmarks/decode.py --shape llama3-70b --systems none \
             --parallel 4x1,4x1f --batch-sizes 1,32 --steps 32 --interventions ;;
     routing)
+        local records=${ROUTING_JSONL:-docs/routing_study/device-carry.jsonl}
         step routing 1 $((BUDGET_S - (SECONDS - start))) python3 benchmarks/routing_study.py \
             --env checksum-carry --device cuda --jobs $((8 * gpus)) --resume \
-            --base docs/routing_study/bases/checksum-carry \
-            --jsonl "${ROUTING_JSONL:-docs/routing_study/device-carry.jsonl}" ;;
+            --base docs/routing_study/bases/checksum-carry --jsonl "$records"
+        # The records so far, beside the logs (the study is stopped at the budget, mid-run).
+        [ -f "$records" ] && cp "$records" "$OUT/" ;;
     *)
         echo "unknown step $1 (tests tests-nccl decode profile steering tp 70b routing)" >&2
         exit 2 ;;
