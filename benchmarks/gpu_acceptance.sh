@@ -11,7 +11,7 @@
 #
 # Steps (GPUs needed; limit):
 #   tests       the one-GPU tests: tests/gpu and the bf16 ones, on GPU 0 (1; 420 s)
-#   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 480 s)
+#   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      decode.py: ceiling, Coxswain, Coxswain on cuBLASLt; Qwen3-0.6B, Llama-3-8B (1; 240 s)
 #   profile     profile_decode.py's kernel table, and the Llama-3-8B batch-256 step (1; 200 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
@@ -65,7 +65,7 @@ run() {
             --deselect tests/gpu/test_parallel_nccl.py \
             tests/integration/test_oracle_bf16.py tests/integration/test_steering_bf16.py ;;
     tests-nccl)
-        step tests-nccl 2 480 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
+        step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
         step decode 1 240 bash -c "
             ${one[*]} python3 benchmarks/decode.py --shape qwen3-0.6b \
