@@ -15,6 +15,8 @@
 #   decode      decode.py: ceiling, Coxswain, Coxswain on cuBLASLt; Qwen3-0.6B, Llama-3-8B (1; 240 s)
 #   profile     profile_decode.py's kernel table, and the Llama-3-8B batch-256 step (1; 200 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
+#   capture     steering_overhead.py's capture rows at batch 32 (Qwen3-0.6B shape) and at
+#               32 and 128 (Llama-3-8B shape), K = 1 (1; 360 s)
 #   tp          decode.py --parallel 2x1,2x1f,1x2 on the Llama-3-8B shape (2; 300 s)
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
 #   routing     only when named: the routing study's device headline, 8 runs a GPU, resumed
@@ -83,6 +85,16 @@ run() {
             --vocab 151936 --num-seqs 128 --prompt-len 512 --output-len 64 \
             --max-num-batched-tokens 16384 --skip-hf --repeats 2 --ks 1,128 \
             --steer-layers "$(seq -s, 0 27)" --decode-steps 64 --profile "$OUT/profile-steering" ;;
+    capture)
+        local llama="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336"
+        llama+=" --vocab 128256 --gpu-memory-utilization 0.8"
+        local common="--prompt-len 512 --output-len 48 --skip-hf --repeats 2 --ks 1"
+        common+=" --decode-steps 32 --adapters 0"
+        local so="${one[*]} python3 benchmarks/steering_overhead.py $common"
+        step capture 1 360 bash -c "
+            $so --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
+                --vocab 151936 --num-seqs 32 &&
+            $so $llama --num-seqs 32 && $so $llama --num-seqs 128" ;;
     tp)
         step tp 2 300 python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
             --batch-sizes 1,32,128 --parallel 2x1,2x1f,1x2 ;;
@@ -97,13 +109,13 @@ run() {
         # The records so far, beside the logs (the study is stopped at the budget, mid-run).
         [ -f "$records" ] && cp "$records" "$OUT/" ;;
     *)
-        echo "unknown step $1 (tests tests-nccl decode profile steering tp 70b routing)" >&2
+        echo "unknown step $1 (tests tests-nccl decode profile steering capture tp 70b routing)" >&2
         exit 2 ;;
     esac
 }
 
 steps=("$@")
-((${#steps[@]})) || steps=(tests tests-nccl decode profile steering tp 70b)
+((${#steps[@]})) || steps=(tests tests-nccl decode profile steering capture tp 70b)
 nvidia-smi -L 2>/dev/null
 for s in "${steps[@]}"; do
     run "$s"
