@@ -9,6 +9,12 @@ import torch
 
 
 @functools.lru_cache(maxsize=8)
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (8 bits of mantissa): how far two bf16 results
+    may sit apart by rounding alone."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=1e-3))) - 7)
+
+
 def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 

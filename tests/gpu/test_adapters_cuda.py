@@ -15,7 +15,7 @@ from services.engine import EngineConfig, LLMEngine, OutputAccumulator, Sampling
 from services.engine.kernels.lowrank import lowrank_expand_reference, lowrank_expand_triton
 from tests.adapter_states import merged_hf_model, random_state
 from tests.gpu.test_fast_path_cuda import _assert_same
-from tests.gpu.test_oracle_bf16 import _bf16_ulp
+from tests.oracle import bf16_ulp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -158,7 +158,7 @@ def test_adapted_greedy_bf16_follows_the_float32_merged_oracle(tiny_checkpoint):
             logits = model(ids).logits[0, len(prompts[i]) - 1 : -1].float()
             top = logits.max(-1).values
             ours = logits.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-            assert float(((top - ours) / _bf16_ulp(top)).max()) <= 4, (name, i)
+            assert float(((top - ours) / bf16_ulp(top)).max()) <= 4, (name, i)
 
 
 def test_a_lora_above_the_reserved_rank_recaptures_the_adapted_graphs(tiny_checkpoint):

@@ -18,7 +18,7 @@ import torch
 
 from services.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import ARCHS, BF16_DEVICES
-from tests.oracle import hf_model
+from tests.oracle import bf16_ulp, hf_model
 from tests.staggered import run_staggered
 
 PROMPT_LENS = (5, 17, 33, 50)
@@ -39,16 +39,12 @@ def _ref_logits(path, ids: list[int], device: str, dtype=torch.float32) -> torch
     return model(torch.tensor([ids], device=device)).logits[0].float().cpu()
 
 
-def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=1e-3))) - 7)
-
-
 def _assert_greedy_consistent(path, device: str, prompt: list[int], tokens: list[int]) -> float:
     """Largest lag of our token behind the fp32 argmax, in bf16 ulps of the top logit."""
     assert len(tokens) == GEN
     logits = _ref_logits(path, prompt + tokens, device)[len(prompt) - 1 : -1]  # [GEN, V]
     top = logits.max(dim=-1).values
-    trail = (top - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]) / _bf16_ulp(top)
+    trail = (top - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]) / bf16_ulp(top)
     assert float(trail.max()) <= TOKEN_ULPS, f"a token trails the fp32 argmax by {trail.max()} ulp"
     return float(trail.max())
 
