@@ -3,14 +3,15 @@
 # benchmarks whose numbers `benchmarks/README.md` reports, each step under its own time limit
 # and all of them under BUDGET_S, with each step's whole log in OUT. What a platform engineer
 # runs on a new host, and what a session with a short lease on one runs first: a step that
-# hangs costs its limit, not the lease, and the summary says which steps ran.
+# hangs costs its limit, not the lease, and the summary says which steps ran. The exit
+# status is 1 if a step failed or was stopped at its limit, 0 if every step that ran passed.
 #
-#   benchmarks/gpu_acceptance.sh [STEP...]   default: every step below, in order
+#   benchmarks/gpu_acceptance.sh [STEP...]   default: every step below but routing, in order
 #   OUT=runs/gpu-acceptance                  where the logs go
-#   BUDGET_S=1500                            no step starts past this many seconds
+#   BUDGET_S=1500                            a step starts only with half its limit left
 #
 # Steps (GPUs needed; limit):
-#   tests       the one-GPU tests: tests/gpu and the bf16 ones, on GPU 0 (1; 420 s)
+#   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 420 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      decode.py: ceiling, Coxswain, Coxswain on cuBLASLt; Qwen3-0.6B, Llama-3-8B (1; 240 s)
 #   profile     profile_decode.py's kernel table, and the Llama-3-8B batch-256 step (1; 200 s)
@@ -21,18 +22,34 @@
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
 #   routing     only when named: the routing study's device headline, 8 runs a GPU, resumed
 #               into ROUTING_JSONL (default docs/routing_study/device-carry.jsonl, copied
-#               into OUT after) for the rest of the budget (1; what is left)
-# A step whose GPUs the host lacks is skipped, and says so. Run from the repository root with
-# the dependencies importable (`deploy/offline/install.sh` on a host without internet).
+#               into OUT after: put it back there before the next run) for the rest of the
+#               budget (1; what is left)
+# All the default steps take about 50 minutes on four GPUs (BUDGET_S=3000). One-GPU steps run
+# on the first GPU CUDA_VISIBLE_DEVICES names (GPU 0 without it). A step whose GPUs the host
+# lacks is skipped, and says so. Run from the repository root with the dependencies
+# importable (`deploy/offline/install.sh` on a host without internet). Ctrl-C stops the
+# step running and the run.
 set -uo pipefail
 
+STEPS=(tests tests-nccl decode profile steering capture tp 70b routing)
 OUT=${OUT:-runs/gpu-acceptance}
 BUDGET_S=${BUDGET_S:-1500}
+steps=("$@")
+((${#steps[@]})) || steps=("${STEPS[@]:0:${#STEPS[@]}-1}")
+for s in "${steps[@]}"; do
+    [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "unknown step $s (${STEPS[*]})" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())') || {
+    echo "gpu_acceptance.sh: python3 cannot import torch" >&2
+    exit 2
+}
+first=${CUDA_VISIBLE_DEVICES:-0}
+one="CUDA_VISIBLE_DEVICES=${first%%,*}"  # one-GPU steps: the first visible GPU
 start=$SECONDS
 summary=()
+failed=0
 noise='TCPStore|frame #|Exception raised|ProcessGroupNCCL.cpp|^$'
 
 # step NAME GPUS LIMIT_S CMD...: run CMD with its output in OUT/NAME.log, then print its tail.
@@ -44,57 +61,68 @@ step() {
         summary+=("$name: skipped (needs $need GPUs, this host has $gpus)")
         return
     fi
-    if ((left <= 30)); then
-        summary+=("$name: skipped (the budget of ${BUDGET_S} s is spent)")
+    if ((left < limit / 2 || left < 30)); then
+        summary+=("$name: skipped (${left} s of the ${BUDGET_S} s budget left, it may take ${limit})")
         return
     fi
     ((limit > left)) && limit=$left
     echo "== $name (limit ${limit} s)"
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    # In the background so a Ctrl-C reaches it: timeout runs it in a process group of its own
+    # and passes a TERM on; -k kills what ignores the TERM 30 s later.
+    timeout -k 30 "$limit" "$@" >"$OUT/$name.log" 2>&1 &
+    local pid=$!
+    trap 'kill -TERM "$pid" 2>/dev/null; interrupted=1' INT TERM
+    wait "$pid"
     local rc=$?
+    if ((interrupted)); then  # the trap cut the wait short: wait for the step to stop
+        wait "$pid"
+        rc=$?
+    fi
+    trap - INT TERM
     grep -v -E "$noise" "$OUT/$name.log" | tail -n 25
     local how="rc $rc"
     ((rc == 124)) && how="stopped at its limit"
+    ((rc != 0)) && failed=1
     summary+=("$name: $how, $((SECONDS - t0)) s (log: $OUT/$name.log)")
 }
 
+# Each part of a step runs even if one before it failed; the step fails if any did.
+both='rc=0; for c in "$@"; do bash -c "$c" || rc=$?; done; exit $rc'
+
 run() {
-    local one=(CUDA_VISIBLE_DEVICES=0)
     case $1 in
     tests)
-        step tests 1 420 env "${one[@]}" python3 -m pytest -q tests/gpu \
+        step tests 1 420 env "$one" python3 -m pytest -q tests/gpu \
             --deselect tests/gpu/test_parallel_nccl.py \
             tests/integration/test_oracle_bf16.py tests/integration/test_steering_bf16.py ;;
     tests-nccl)
         step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
-        step decode 1 240 bash -c "
-            ${one[*]} python3 benchmarks/decode.py --shape qwen3-0.6b \
-                --systems ceiling,coxswain,coxswain-lt --batch-sizes 1,32,128 &&
-            ${one[*]} python3 benchmarks/decode.py --shape llama3-8b \
-                --systems ceiling,coxswain,coxswain-lt --batch-sizes 1,32,128" ;;
+        local d="$one python3 benchmarks/decode.py --systems ceiling,coxswain,coxswain-lt"
+        step decode 1 240 bash -c "$both" decode \
+            "$d --shape qwen3-0.6b --batch-sizes 1,32,128" \
+            "$d --shape llama3-8b --batch-sizes 1,32,128" ;;
     profile)
-        step profile 1 200 bash -c "
-            ${one[*]} python3 benchmarks/profile_decode.py --batch-sizes 1,32,128 &&
-            ${one[*]} python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
-                --batch-sizes 256 --profile $OUT/profile-b256" ;;
+        step profile 1 200 bash -c "$both" profile \
+            "$one python3 benchmarks/profile_decode.py --batch-sizes 1,32,128" \
+            "$one python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
+                --batch-sizes 256 --profile $(printf %q "$OUT/profile-b256")" ;;
     steering)
-        step steering 1 240 env "${one[@]}" python3 benchmarks/steering_overhead.py \
+        step steering 1 240 env "$one" python3 benchmarks/steering_overhead.py \
             --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
             --vocab 151936 --num-seqs 128 --prompt-len 512 --output-len 64 \
             --max-num-batched-tokens 16384 --skip-hf --repeats 2 --ks 1,128 \
             --steer-layers "$(seq -s, 0 27)" --decode-steps 64 --profile "$OUT/profile-steering" ;;
     capture)
+        local so="$one python3 benchmarks/steering_overhead.py --prompt-len 512 --output-len 48"
+        so+=" --skip-hf --repeats 2 --ks 1 --decode-steps 32 --adapters 0"
         local llama="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336"
         llama+=" --vocab 128256 --gpu-memory-utilization 0.8"
-        local common="--prompt-len 512 --output-len 48 --skip-hf --repeats 2 --ks 1"
-        common+=" --decode-steps 32 --adapters 0"
-        local so="${one[*]} python3 benchmarks/steering_overhead.py $common"
-        step capture 1 360 bash -c "
-            $so --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
-                --vocab 151936 --num-seqs 32 &&
-            $so $llama --num-seqs 32 && $so $llama --num-seqs 128" ;;
+        step capture 1 360 bash -c "$both" capture \
+            "$so --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
+                --vocab 151936 --num-seqs 32" \
+            "$so $llama --num-seqs 32" "$so $llama --num-seqs 128" ;;
     tp)
         step tp 2 300 python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
             --batch-sizes 1,32,128 --parallel 2x1,2x1f,1x2 ;;
@@ -103,22 +131,22 @@ run() {
             --parallel 4x1,4x1f --batch-sizes 1,32 --steps 32 --interventions ;;
     routing)
         local records=${ROUTING_JSONL:-docs/routing_study/device-carry.jsonl}
-        step routing 1 $((BUDGET_S - (SECONDS - start))) python3 benchmarks/routing_study.py \
+        local rest=$((BUDGET_S - (SECONDS - start)))
+        step routing 1 $((rest > 60 ? rest : 60)) python3 benchmarks/routing_study.py \
             --env checksum-carry --device cuda --jobs $((8 * gpus)) --resume \
             --base docs/routing_study/bases/checksum-carry --jsonl "$records"
         # The records so far, beside the logs (the study is stopped at the budget, mid-run).
-        [ -f "$records" ] && cp "$records" "$OUT/" ;;
-    *)
-        echo "unknown step $1 (tests tests-nccl decode profile steering capture tp 70b routing)" >&2
-        exit 2 ;;
+        if [ -f "$records" ]; then cp "$records" "$OUT/"; fi ;;
     esac
 }
 
-steps=("$@")
-((${#steps[@]})) || steps=(tests tests-nccl decode profile steering capture tp 70b)
+interrupted=0
 nvidia-smi -L 2>/dev/null
 for s in "${steps[@]}"; do
+    ((interrupted)) && summary+=("$s: not started (interrupted)") && continue
     run "$s"
 done
 echo "== summary ($((SECONDS - start)) s of a ${BUDGET_S} s budget)"
 printf '%s\n' "${summary[@]}"
+((interrupted || failed)) && exit 1
+exit 0
