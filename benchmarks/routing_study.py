@@ -53,8 +53,8 @@ markers). `--jobs N` trains N runs at once in their own processes; `--resume` ke
 already in `--jsonl` and trains the rest.
 
     python3 benchmarks/routing_study.py --quick          # 3 bases x 2 seeds, ~29 min, 2 cores
-    python3 benchmarks/routing_study.py --device cuda --jobs 8   # 3 bases x 10 seeds, the headline
-    python3 benchmarks/routing_study.py --device cuda --jobs 32  # the same over 4 GPUs, 8 each
+    python3 benchmarks/routing_study.py --env checksum-carry --device cuda --jobs 32 \
+        --base docs/routing_study/bases/checksum-carry --resume   # the headline, 4 GPUs
     python3 benchmarks/routing_study.py --from-jsonl runs/routing_study.jsonl
     python3 benchmarks/routing_study.py --update-readme  # the README's tables, from the records
 """
@@ -128,9 +128,6 @@ ORACLE_NOISE = "oracle-noise"
 NOISE_LEVELS = (0.1, 0.2, 0.4)
 NOISE_DESIGNS = ("kept-ablated", "route-dropout0.25")
 NOISE_ARMS = ",".join(f"{a}~{ORACLE_NOISE}{p}" for a in NOISE_DESIGNS for p in NOISE_LEVELS)
-# The arms of the studies before the designs (the H100 headline's, `docs/routing_study/
-# h100.jsonl`): the quick ones, Arm A with its placebo and Arm B per token.
-EARLIER_ARMS = QUICK_ARMS + ",route,route~placebo,token"
 # The headline's arms (the defaults, issue 28): the base, vanilla, the ceiling and
 # erase~oracle beside the designs (each label-free, with its placebo and oracle bound) and
 # the noisy-oracle curves. 29 trained arms: 870 runs at 3 bases x 10 seeds.
@@ -619,7 +616,10 @@ def run_study(args: argparse.Namespace) -> list[dict]:
             r["arm"] != "base",
         )
     )
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # Whole or not at all: a study stopped mid-write (a time limit) keeps its records.
+    partial = jsonl.with_name(jsonl.name + ".tmp")
+    partial.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(partial, jsonl)
     return records
 
 

@@ -83,7 +83,8 @@ def _first_result(results: Any, procs: list, timeout_s: float) -> tuple[str, Any
 
 def _reap(procs: list, grace_s: float) -> None:
     """Let the ranks exit on their own for `grace_s` in all, then stop the rest: the
-    driver's result is in hand, so a rank still tearing down holds nothing we need. (On
+    driver has ended (its result or error is in hand, or it ran out of time), so a rank
+    still running holds nothing we need. (On
     four H200s the three NCCL workers of a tiny TP=4 replica each outlived a 30 s join
     after the driver returned, 90 s a launch.) A rank stopped here first prints its
     stacks to its stderr (SIGUSR1, `_local_rank`), which says where it was stuck."""
@@ -92,7 +93,7 @@ def _reap(procs: list, grace_s: float) -> None:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     stuck = [(rank, p) for rank, p in enumerate(procs) if p.is_alive()]
     for rank, p in stuck:
-        log.warning("rank %d still running %g s after the replica's result: stopping it", rank,
+        log.warning("rank %d still running %g s after the driver ended: stopping it", rank,
                     grace_s)  # fmt: skip
         os.kill(p.pid, signal.SIGUSR1)
     if stuck:

@@ -301,3 +301,21 @@ def test_a_base_pretrained_otherwise_than_the_study_asks_is_refused(tmp_path):
     (base / "pretrain_config.json").unlink()
     with pytest.raises(SystemExit, match="cannot tell"):
         study.check_base(base, 1, "checksum-carry", 2000, 0.17)
+
+
+def test_the_study_stops_before_training_on_a_base_pretrained_otherwise(tmp_path):
+    """`run_study` checks every base it reuses before it trains anything."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"")
+    (base / "pretrain_done").touch()
+    config = {"steps": 2000, "envs": ["checksum-carry"], "hack_fraction": 0.17, "seed": 0}
+    (base / "pretrain_config.json").write_text(json.dumps(config))
+    jsonl = tmp_path / "runs.jsonl"
+    args = study.parse_args(
+        ["--env", "checksum-carry", "--base", str(base), "--bases", "1", "--seeds", "1",
+         "--arms", "none", "--jsonl", str(jsonl)]
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match="hack_fraction"):
+        study.run_study(args)
+    assert not jsonl.exists() or not jsonl.read_text()
