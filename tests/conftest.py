@@ -26,14 +26,21 @@ os.environ.pop("RAY_ADDRESS", None)
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-# bf16 tests run on CPU (the reference kernels: dtype paths, casts) and, where there is one,
-# on CUDA (Triton kernels, graphs).
-BF16_DEVICES = (
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-    ),
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
 )
+def bf16_device(request) -> str:
+    """Where a bf16 test runs: on CPU (the reference kernels: dtype paths, casts) and, where
+    there is one, on CUDA (Triton kernels, graphs)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import ARCHS, BF16_DEVICES
+from tests.conftest import ARCHS
 from tests.oracle import bf16_ulp, hf_model
 from tests.staggered import run_staggered
 
@@ -49,24 +49,19 @@ def _assert_greedy_consistent(path, device: str, prompt: list[int], tokens: list
     return float(trail.max())
 
 
-@pytest.fixture(scope="module", params=BF16_DEVICES)
-def device(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request, tiny_checkpoint):
     return request.param, tiny_checkpoint(request.param), _prompts()
 
 
-def test_prompt_logprobs_bf16(case, device):
+def test_prompt_logprobs_bf16(case, bf16_device):
     arch, path, prompts = case
-    llm = LLM(path, device=device, dtype="bfloat16")
+    llm = LLM(path, device=bf16_device, dtype="bfloat16")
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
     ours, theirs = [], []
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = torch.log_softmax(_ref_logits(path, prompt, device), dim=-1)
-        hf16 = torch.log_softmax(_ref_logits(path, prompt, device, torch.bfloat16), dim=-1)
+        ref = torch.log_softmax(_ref_logits(path, prompt, bf16_device), dim=-1)
+        hf16 = torch.log_softmax(_ref_logits(path, prompt, bf16_device, torch.bfloat16), dim=-1)
         for pos in range(1, len(prompt)):
             t = prompt[pos]
             ours.append(abs(out.prompt_logprobs[pos][t] - float(ref[pos - 1, t])))
@@ -80,35 +75,36 @@ def test_prompt_logprobs_bf16(case, device):
 
 
 @pytest.mark.parametrize("mode", ["batch", "staggered", "chunked", "preempt"])
-def test_greedy_bf16(case, device, mode):
+def test_greedy_bf16(case, bf16_device, mode):
     arch, path, prompts = case
     if mode == "batch":
-        outs = LLM(path, device=device, dtype="bfloat16").generate(prompts, GREEDY)
+        outs = LLM(path, device=bf16_device, dtype="bfloat16").generate(prompts, GREEDY)
         tokens = [o.outputs[0].token_ids for o in outs]
     elif mode == "staggered":
-        engine = LLMEngine(path, EngineConfig(device=device, dtype="bfloat16"))
+        engine = LLMEngine(path, EngineConfig(device=bf16_device, dtype="bfloat16"))
         tokens = run_staggered(engine, prompts, GREEDY, 3)
     elif mode == "chunked":
-        cfg = EngineConfig(device=device, dtype="bfloat16", max_num_batched_tokens=7)
+        cfg = EngineConfig(device=bf16_device, dtype="bfloat16", max_num_batched_tokens=7)
         tokens = run_staggered(LLMEngine(path, cfg), prompts, GREEDY, 2)
     else:
-        llm = LLM(path, device=device, dtype="bfloat16", block_size=8, num_kv_blocks=12)
+        llm = LLM(path, device=bf16_device, dtype="bfloat16", block_size=8, num_kv_blocks=12)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.engine.stats()["num_preemptions"] > 0
     trails = [
-        _assert_greedy_consistent(path, device, p, t) for p, t in zip(prompts, tokens, strict=True)
+        _assert_greedy_consistent(path, bf16_device, p, t)
+        for p, t in zip(prompts, tokens, strict=True)
     ]
     print(f"[{arch}/{mode}] greedy tokens trail the fp32 argmax by <= {max(trails):.2f} bf16 ulp")
 
 
-def test_prefix_cache_bf16(tiny_checkpoint, device):
+def test_prefix_cache_bf16(tiny_checkpoint, bf16_device):
     path = tiny_checkpoint("llama")
     rng = random.Random(1)
     prefix = [rng.randrange(8, 512) for _ in range(64)]
-    llm = LLM(path, device=device, dtype="bfloat16")
+    llm = LLM(path, device=bf16_device, dtype="bfloat16")
     llm.generate([prefix + [9, 10, 11]], GREEDY)
     hit = llm.generate([prefix + [12, 13]], GREEDY)[0]
-    miss = LLM(path, device=device, dtype="bfloat16", enable_prefix_caching=False).generate(
+    miss = LLM(path, device=bf16_device, dtype="bfloat16", enable_prefix_caching=False).generate(
         [prefix + [12, 13]], GREEDY
     )[0]
     assert hit.num_cached_tokens >= 48 and miss.num_cached_tokens == 0
