@@ -142,4 +142,17 @@ def _local_rank(
             sync.stop()
     finally:
         faulthandler.cancel_dump_traceback_later()
+        _leave_process_group(device_type)
+
+
+def _leave_process_group(device_type: str) -> None:
+    """Tear this rank's process groups down on the way out. Under NCCL, with collectives
+    captured in CUDA graphs, `destroy_process_group` can wait forever in the communicators'
+    shutdown (pytorch/pytorch#115388; on four H200s every rank of a TP=4 replica sat there
+    until `_reap` stopped it): once this rank's work has run, abort the communicators, which
+    waits for no peer. Gloo's teardown does not hang."""
+    if device_type == "cuda":
+        torch.cuda.synchronize()  # what this rank sent has left it
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()

@@ -119,27 +119,43 @@ def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, tmp_
     )  # fmt: skip
     assert together["fused"] and not apart["fused"]
     assert together["graph_steps"] > 0 and together["graph_steps"] == apart["graph_steps"]
-    for want in (apart, one):
-        for (gt, _), (wt, _) in zip(together["outputs"], want["outputs"], strict=True):
-            assert gt == wt
-    # Float32: only the summation order differs. Bf16: the TP split itself rounds partial
-    # sums that one GPU never rounds, so the fused kernel may differ from one GPU by what
-    # the unfused replica does, and from the unfused replica by no more than that.
-    split = _logprob_gap(apart, one)
-    fused_gap = _logprob_gap(together, apart)
-    tol = 1e-3 if dtype == "float32" else max(5e-2, split)
-    assert fused_gap <= tol, f"fused vs unfused TP=2 {fused_gap:.4f}, TP=2 vs one GPU {split:.4f}"
-    assert _logprob_gap(together, one) <= tol + split
+    # Float32: only the summation order differs, so the tokens are the same and the logprobs
+    # within 1e-3. Bf16: the TP split itself rounds partial sums that one GPU never rounds,
+    # so the fused kernel may differ from one GPU by what the unfused replica does, and from
+    # the unfused replica by no more than that; a greedy token may then flip where two were
+    # that close (a tiny random model's logits are nearly flat), never elsewhere.
+    # A flip needs the two tokens closer than the two runs' deviations added: twice the
+    # logprob tolerance of that comparison.
+    exact = dtype == "float32"
+    split = _logprob_gap(apart, one, near_tie=None if exact else 2 * 5e-2)
+    tol = 1e-3 if exact else max(5e-2, split)
+    fused_gap = _logprob_gap(together, apart, near_tie=None if exact else 2 * tol)
+    assert fused_gap <= tol, f"fused vs unfused TP {fused_gap:.4f}, TP vs one GPU {split:.4f}"
+    gap = _logprob_gap(together, one, near_tie=None if exact else 2 * (tol + split))
+    assert gap <= tol + split
 
 
-def _logprob_gap(a: dict, b: dict) -> float:
-    """The largest |logprob difference| over the tokens both runs rank among the top-k."""
-    gaps = [
-        abs(x[k] - y[k])
-        for (_, alp), (_, blp) in zip(a["outputs"], b["outputs"], strict=True)
-        for x, y in zip(alp, blp, strict=True)
-        for k in x.keys() & y.keys()
-    ]
+def _logprob_gap(a: dict, b: dict, near_tie: float | None = None) -> float:
+    """The largest |logprob difference| over the tokens both runs rank among the top-k, at
+    every position where both saw the same context. With `near_tie` None the greedy tokens
+    must all agree; otherwise a request's tokens agree until one flips where `b` ranked the
+    two within `near_tie` of each other (that position counts, the rest of that request does
+    not: their contexts differ), and at least half of all tokens are compared."""
+    gaps, compared, total = [], 0, 0
+    for (at, alp), (bt, blp) in zip(a["outputs"], b["outputs"], strict=True):
+        total += len(bt)
+        for x, y, xl, yl in zip(at, bt, alp, blp, strict=True):
+            gaps += [abs(xl[k] - yl[k]) for k in xl.keys() & yl.keys()]
+            compared += 1
+            if x == y:
+                continue
+            assert near_tie is not None, f"greedy tokens differ: {at} vs {bt}"
+            assert x in yl and yl[y] - yl[x] <= near_tie, (
+                f"token {x} replaced {y} where the reference ranked them "
+                f"{yl[y] - yl.get(x, float('-inf')):.4f} apart (more than {near_tie})"
+            )
+            break
+    assert compared >= total / 2, f"only {compared} of {total} tokens before the flips"
     return max(gaps)
 
 

@@ -216,7 +216,9 @@ class SteeringTables:
         self.set_row_scale(row, 1.0)
 
     def set_row_scale(self, row: int, scale: float) -> None:
-        self.row_scale[row] = scale
+        # A fill, not `row_scale[row] = scale`: assigning a number to one element of a CUDA
+        # tensor copies it up from pageable memory, which waits for the step in flight.
+        self.row_scale.narrow(0, row, 1).fill_(scale)
         if scale == 1.0:
             self._host_scale.pop(row, None)
         else:
