@@ -16,7 +16,8 @@
 #   decode      decode.py: ceiling, Coxswain, Coxswain on cuBLASLt; Qwen3-0.6B, Llama-3-8B (1; 240 s)
 #   profile     profile_decode.py's kernel table, and the Llama-3-8B batch-256 step (1; 200 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
-#   capture     steering_overhead.py's capture rows at batch 32 (Qwen3-0.6B shape) and at
+#   capture     host_copy.py on this host (the Llama-3-8B batch-128 block), then
+#               steering_overhead.py's capture rows at batch 32 (Qwen3-0.6B shape) and at
 #               32 and 128 (Llama-3-8B shape), K = 1 (1; 360 s)
 #   tp          decode.py --parallel 2x1,2x1f,1x2 on the Llama-3-8B shape (2; 300 s)
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
@@ -120,6 +121,7 @@ run() {
         local llama="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336"
         llama+=" --vocab 128256 --gpu-memory-utilization 0.8"
         step capture 1 360 bash -c "$both" capture \
+            "python3 benchmarks/host_copy.py --tokens 128 --layers 32 --hidden 4096" \
             "$so --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
                 --vocab 151936 --num-seqs 32" \
             "$so $llama --num-seqs 32" "$so $llama --num-seqs 128" ;;

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from services.engine.host_memory import host_empty
+from services.engine.host_memory import host_empty, transparent_huge_pages
 
 
 def timed(fn, reps: int) -> float:
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     mb = src.numel() * dtype.itemsize / 1e6
     print(f"block {tuple(shape)} bf16 -> {args.to}: {mb:.1f} MB written, "
-          f"{torch.get_num_threads()} ATen threads")  # fmt: skip
+          f"{torch.get_num_threads()} ATen threads, transparent huge pages: "
+          f"{transparent_huge_pages()}")  # fmt: skip
     for name, ms in rows.items():
         print(f"{name:<22} {ms:7.2f} ms  {mb / ms:6.1f} GB/s")
     fresh, advised = rows["fresh (allocator)"], rows["fresh (host_empty)"]

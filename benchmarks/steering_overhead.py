@@ -42,6 +42,7 @@ from generated_model import add_model_arguments, checkpoint_dir, resolve_device
 from throughput import DTYPES, hf_generate, load_hf, sync
 
 from services.engine import LLM, SamplingParams
+from services.engine.host_memory import transparent_huge_pages
 from services.engine.interventions.actions import SteeringMonitorUpdate
 from services.engine.model.config import load_model_config
 from services.engine.step_batch import PendingStep
@@ -701,8 +702,19 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
             f" adapted {stats['num_adapted_graph_steps']}),"
             f" eager steps: {stats['num_eager_steps']}, capture blocks outside the pinned"
             f" reserve: {stats['num_capture_host_misses']}, steps that waited for its rows:"
-            f" {stats['num_capture_host_waits']}"
+            f" {stats['num_capture_host_waits']} ({stats['capture_host_wait_s']:.2f} s)"
         )
+        if blocks := stats["capture_drain_blocks"]:  # where the rows' way to the host went
+            per = {
+                k: 1e3 * stats[f"capture_drain_{k}_s"] / blocks
+                for k in ("copy_wait", "move", "lag")
+            }
+            print(
+                f"capture drain: {blocks} blocks; a block: {per['move']:.2f} ms moving it to"
+                f" pageable memory, {per['copy_wait']:.2f} ms waiting for its copy,"
+                f" {per['lag']:.2f} ms from the step's submission to its rows' return;"
+                f" transparent huge pages: {transparent_huge_pages()}"
+            )
         if args.adapters:  # they must change outputs, or a no-op adapter path looks free
             name = f"adapters x{args.adapters}"
             count = changed(run_coxswain(llm, name, work, extra[name][0], device), plain)

@@ -21,12 +21,26 @@ from __future__ import annotations
 
 import math
 import mmap
+from pathlib import Path
 
 import torch
 
 HUGE_BYTES = 4 << 20  # below this, the allocator's own memory (often already touched)
 
 _ADVISE = getattr(mmap, "MADV_HUGEPAGE", None)
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_huge_pages(setting: Path = THP_SETTING) -> str:
+    """The kernel's transparent-huge-page mode (`always`, `madvise` or `never`: the word in
+    brackets of `setting`), or `unknown` where it cannot be read. Under `never` the advice
+    here is lost and fresh blocks fault in 4 KiB at a time."""
+    try:
+        text = setting.read_text()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
 
 
 def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

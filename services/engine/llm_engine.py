@@ -577,7 +577,9 @@ class LLMEngine:
     def stats(self) -> dict:
         """Counters for dashboards and tests: cache hits, preemptions, pool use."""
         bm = self.block_manager
-        host_rows = self.runner.readback.host_rows if self.runner.readback else None
+        readback = self.runner.readback
+        host_rows = readback.host_rows if readback else None
+        drain = readback.drain if readback else None
         return {
             "num_steps": self.num_steps,
             "num_running": len(self.scheduler.running),
@@ -602,5 +604,12 @@ class LLMEngine:
             # that waited for the drain to give rows back
             "num_capture_host_misses": host_rows.num_misses if host_rows else 0,
             "num_capture_host_waits": host_rows.num_waits if host_rows else 0,
+            "capture_host_wait_s": host_rows.wait_s if host_rows else 0.0,
+            # the drain thread: blocks taken out of pinned memory, its seconds waiting for
+            # their copies and moving them, and from submission to the rows' return
+            "capture_drain_blocks": drain.num_blocks if drain else 0,
+            "capture_drain_copy_wait_s": drain.copy_wait_s if drain else 0.0,
+            "capture_drain_move_s": drain.move_s if drain else 0.0,
+            "capture_drain_lag_s": drain.lag_s if drain else 0.0,
             "config": asdict(self.config),
         }

@@ -59,6 +59,7 @@ class PinnedRows:
         self._lengths: list[int] = [num_rows] if num_rows else []
         self.num_misses = 0  # blocks that did not fit and were page-locked on their own
         self.num_waits = 0  # takes that waited for rows to come back (back-pressure)
+        self.wait_s = 0.0  # the time they waited, all told
 
     @property
     def num_free(self) -> int:
@@ -75,10 +76,12 @@ class PinnedRows:
             start = self._take(n)
             if start is None and n <= self.num_rows and wait_s > 0:
                 self.num_waits += 1
-                deadline = time.monotonic() + wait_s
+                began = time.monotonic()
+                deadline = began + wait_s
                 while start is None and (left := deadline - time.monotonic()) > 0:
                     self._returned.wait(left)
                     start = self._take(n)
+                self.wait_s += time.monotonic() - began
         if start is not None:
             lease = Lease()
             weakref.finalize(lease, self._give_back, start, n)
@@ -130,29 +133,41 @@ class CaptureDrain:
     the thread waits for the copy's event, copies the rows into pageable memory in `dtype`
     (one conversion of the whole block, which ATen spreads over its threads; the engine's
     thread only queues), swaps them in, drops the pinned lease, and marks the block
-    drained. A block's reader waits for that (`CapturedBlock.rows`)."""
+    drained. A block's reader waits for that (`CapturedBlock.rows`).
+
+    It keeps time (seconds, all blocks told): `copy_wait_s` waiting for copies to land,
+    `move_s` taking blocks out (the pageable memory's page faults and the conversion), and
+    `lag_s` from each block's submission to its rows going back to the arena, which bounds
+    how far behind the steps it runs (the arena holds a few steps' blocks)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, torch.dtype] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, torch.dtype, float] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="capture-drain", daemon=True)
         self._thread.start()
         self.num_blocks = 0
+        self.copy_wait_s = self.move_s = self.lag_s = 0.0
 
     def submit(self, block: Any, dtype: torch.dtype) -> None:
         block.drained = threading.Event()
-        self._queue.put((block, dtype))
+        self._queue.put((block, dtype, time.perf_counter()))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            block, dtype = item
+            block, dtype, submitted = item
             try:
+                began = time.perf_counter()
                 if block.done is not None:
                     block.done.synchronize()  # releases the GIL while it waits
+                landed = time.perf_counter()
                 # pageable, on huge pages: 4 KiB page faults would cost ten times the copy
                 host = host_empty(block.host.shape, dtype)
                 host.copy_(block.host)
                 block.host = host
                 block.lease = None  # the pinned rows go back to the arena now
+                done = time.perf_counter()
+                self.copy_wait_s += landed - began
+                self.move_s += done - landed
+                self.lag_s += done - submitted
                 self.num_blocks += 1
             except Exception as exc:  # the block's reader raises it, the engine runs on
                 log.exception("capture drain failed")

@@ -9,7 +9,12 @@ import pickle
 import pytest
 import torch
 
-from services.engine.host_memory import HUGE_BYTES, host_empty, host_zeros
+from services.engine.host_memory import (
+    HUGE_BYTES,
+    host_empty,
+    host_zeros,
+    transparent_huge_pages,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -40,3 +45,14 @@ def test_host_tensors_are_independent():
     a, b = (host_zeros((HUGE_BYTES // 4,), torch.float32) for _ in range(2))
     a.fill_(1.0)
     assert not b.any() and a.data_ptr() != b.data_ptr()
+
+
+def test_the_huge_page_mode_is_the_bracketed_word(tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    assert transparent_huge_pages(setting) == "madvise"
+    setting.write_text("[never]")
+    assert transparent_huge_pages(setting) == "never"
+    assert transparent_huge_pages(tmp_path / "absent") == "unknown"
+    setting.write_text("garbled")
+    assert transparent_huge_pages(setting) == "unknown"

@@ -74,6 +74,7 @@ def test_a_take_that_does_not_fit_waits_for_rows_to_come_back():
     got, again = pool.take(3, wait_s=10.0)
     assert again is not None and got.data_ptr() == ptr
     assert pool.num_waits == 1 and pool.num_misses == 0
+    assert pool.wait_s >= 0.1  # the wait is counted: the drain let go 0.2 s after it began
 
 
 def test_a_take_larger_than_the_arena_does_not_wait():
@@ -98,5 +99,6 @@ def test_the_drain_moves_a_block_to_pageable_rows_in_its_dtype_and_frees_the_run
         assert torch.equal(rows, want)
         gc.collect()
         assert pool.num_free == 4 and block.lease is None  # the run is back in the arena
+        assert drain.num_blocks == 1 and drain.move_s > 0 and drain.lag_s >= drain.move_s
     finally:
         drain.stop()
