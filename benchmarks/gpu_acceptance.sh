@@ -124,7 +124,8 @@ run() {
             "python3 benchmarks/host_copy.py --tokens 128 --layers 32 --hidden 4096" \
             "$so --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
                 --vocab 151936 --num-seqs 32" \
-            "$so $llama --num-seqs 32" "$so $llama --num-seqs 128" ;;
+            "$so $llama --num-seqs 32" \
+            "$so $llama --num-seqs 128 --profile $(printf %q "$OUT/profile-capture")" ;;
     tp)
         step tp 2 300 python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
             --batch-sizes 1,32,128 --parallel 2x1,2x1f,1x2 ;;

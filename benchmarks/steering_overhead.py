@@ -96,12 +96,17 @@ def profile_runs(
         profiler.enable()
         run_coxswain(llm, name, work, params, device)
         profiler.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(30)
-        stats.sort_stats("cumulative").print_stats(40)
-        (out / f"{name.replace(' ', '-').replace('=', '')}.txt").write_text(text.getvalue())
+        (out / f"{name.replace(' ', '-').replace('=', '')}.txt").write_text(profile_text(profiler))
     print(f"profiles of one run per config: {out}")
+
+
+def profile_text(profiler: cProfile.Profile) -> str:
+    """The 30 costliest functions by own time, then the 40 costliest by cumulative time."""
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return text.getvalue()
 
 
 def timed(
@@ -280,7 +285,7 @@ DECODE_SLACK = 16
 def decode_rates(
     llm: LLM, prompts: list[list[int]], configs: dict[str, list[SamplingParams]], steps: int,
     repeats: int, device: torch.device,
-    actions: dict[str, tuple[list[Any], list[Any]]] | None = None,
+    actions: dict[str, tuple[list[Any], list[Any]]] | None = None, profile: Path | None = None,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:  # fmt: skip
     """Steady-state decode tok/s of each config: every request prefilled and a few steps
     warm, then `steps` timed engine steps of the whole batch (no request ends in them),
@@ -292,7 +297,9 @@ def decode_rates(
     alone, free of the host's jitter. And the host's own milliseconds per step: the step's
     wall time less the time it waited for the device (`PendingStep.result`), median over
     all steps. With overlapped steps a step takes the larger of the two. `actions`:
-    engine actions submitted before a config runs and after it (monitors)."""
+    engine actions submitted before a config runs and after it (monitors). `profile`: one
+    more, untimed pass per config with its steps under cProfile (`profile_text`), in
+    `profile/decode-<config>.txt`."""
     waited = [0.0]
     result = PendingStep.result
 
@@ -310,7 +317,8 @@ def decode_rates(
     gpu_ms: dict[str, float] = {}
     PendingStep.result = timed_result
     actions = actions or {}
-    for _ in range(repeats):
+    for rep in range(repeats + (profile is not None)):
+        profiled = rep == repeats  # the extra pass: under cProfile, not timed
         for name, params in configs.items():
             before, after = actions.get(name, ([], []))
             for action in before:
@@ -324,19 +332,29 @@ def decode_rates(
                 engine.step()
             sync(device)
             counts = graph_counts(engine.runner)
-            start = last = time.perf_counter()
-            for _ in range(steps):
-                waited[0] = 0.0
-                engine.step()
-                now = time.perf_counter()
-                step_s[name].append(now - last)
-                host_s[name].append(now - last - waited[0])
-                last = now
-            sync(device)
-            best[name] = max(best[name], len(prompts) * steps / (time.perf_counter() - start))
-            ms = replay_ms(engine.runner, len(prompts), graph_kind(engine.runner, counts))
-            if ms is not None:
-                gpu_ms[name] = min(gpu_ms.get(name, ms), ms)
+            if profiled:
+                assert profile is not None
+                profile.mkdir(parents=True, exist_ok=True)
+                profiler = cProfile.Profile()
+                profiler.runcall(lambda: [engine.step() for _ in range(steps)])
+                sync(device)
+                path = profile / f"decode-{name.replace(' ', '-').replace('=', '')}.txt"
+                path.write_text(profile_text(profiler))
+            else:
+                start = last = time.perf_counter()
+                for _ in range(steps):
+                    waited[0] = 0.0
+                    engine.step()
+                    now = time.perf_counter()
+                    step_s[name].append(now - last)
+                    host_s[name].append(now - last - waited[0])
+                    last = now
+                sync(device)
+                rate = len(prompts) * steps / (time.perf_counter() - start)
+                best[name] = max(best[name], rate)
+                ms = replay_ms(engine.runner, len(prompts), graph_kind(engine.runner, counts))
+                if ms is not None:
+                    gpu_ms[name] = min(gpu_ms.get(name, ms), ms)
             for rid in list(engine.requests):
                 engine.abort(rid)
             while engine.step():  # the step still in flight
@@ -469,7 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         type=Path,
-        help="also profile one more run per config (cProfile; a text file per config here)",
+        help="also profile one more run per config, and one more pass of steady-state decode"
+        " per config (cProfile; a text file per config here)",
     )
     p.add_argument(
         "--decode-steps",
@@ -677,8 +696,9 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         decode_configs |= {name: params for name, (params, _, _) in extra.items()}
         actions = {name: (before, after) for name, (_, before, after) in extra.items()}
         rates, best, gpu_ms, host_ms = decode_rates(
-            llm, work, decode_configs, args.decode_steps, args.repeats, device, actions
-        )
+            llm, work, decode_configs, args.decode_steps, args.repeats, device, actions,
+            profile=args.profile,
+        )  # fmt: skip
         plain_rate, plain_best = rates["coxswain unsteered"], best["coxswain unsteered"]
         print(
             f"\nsteady-state decode of all {args.num_seqs} requests, {args.decode_steps} steps "
