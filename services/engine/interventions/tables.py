@@ -174,8 +174,8 @@ class SteeringTables:
                 for (layer, s), v in content.vectors.items():
                     if s == site:  # a vector given for many layers is one tensor: one copy
                         layers.setdefault(id(v), (v, []))[1].append(layer)
-                for v, at in layers.values():  # index_put does not cast: the table's dtype
-                    staged[i, at] = v.to(staged.dtype)
+                for v, at in layers.values():
+                    _fill_layers(staged[i], at, v)
             self._scatter(self.vec[site], [row for row, _ in entries], staged)
         for site, entries in gate_rows.items():
             probe = self._staging(len(entries), L, H, dtype=self.dtype)
@@ -327,3 +327,16 @@ class SteeringTables:
             "probe_bank": self.probe_bank[site][layer],
             "probe_count": self.probe_count[site][layer : layer + 1],
         }
+
+
+def _fill_layers(rows: torch.Tensor, layers: list[int], v: torch.Tensor) -> None:
+    """`rows[layers] = v` ([L, H] rows, a vector [H]), cast to the rows' dtype: a copy per
+    run of consecutive layers (all of them, mostly), not an indexed write."""
+    layers = sorted(layers)
+    start = 0
+    for j in range(1, len(layers) + 1):
+        if j == len(layers) or layers[j] != layers[j - 1] + 1:
+            first, n = layers[start], j - start
+            rows[first : first + n].copy_(v.expand(n, v.shape[-1]))
+            start = j
+

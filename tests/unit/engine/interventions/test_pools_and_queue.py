@@ -55,12 +55,12 @@ def test_rows_written_between_steps_reach_the_tables_together_at_the_flush(dtype
     values here are exact in both)."""
     from services.engine.interventions.resolve import GateRow
 
-    L, H = 3, 4
+    L, H = 4, 4
     t = SteeringTables(L, H, torch.device("cpu"), dtype, per_request_rows=4, dynamic_rows=0)
     shared = torch.arange(H, dtype=torch.float32)
     gate = GateRow(torch.ones(H), -torch.ones(H), 0.5, 3.0, 2.0, True, False, 4)
     a = row_content({(0, "post_block"): shared, (2, "post_block"): shared,
-                     (1, "pre_attn"): shared + 10}, {})  # fmt: skip
+                     (3, "post_block"): shared, (1, "pre_attn"): shared + 10}, {})  # fmt: skip
     b = row_content({(1, "post_block"): -shared}, {(2, "post_attn"): gate})
     gone = row_content({(0, "post_block"): shared * 7}, {})
     for row, content in ((3, a), (4, b), (5, gone)):
@@ -69,7 +69,7 @@ def test_rows_written_between_steps_reach_the_tables_together_at_the_flush(dtype
     t.clear_row(5, gone)
     t.flush()
     want = torch.zeros(L, t.num_rows, H, dtype=dtype)
-    want[0, 3] = want[2, 3] = shared
+    want[0, 3] = want[2, 3] = want[3, 3] = shared  # one vector, two runs of layers
     want[1, 4] = -shared
     torch.testing.assert_close(t.vec["post_block"], want, rtol=0, atol=0)
     assert torch.equal(t.vec["pre_attn"][1, 3], (shared + 10).to(dtype))
