@@ -339,4 +339,3 @@ def _fill_layers(rows: torch.Tensor, layers: list[int], v: torch.Tensor) -> None
             first, n = layers[start], j - start
             rows[first : first + n].copy_(v.expand(n, v.shape[-1]))
             start = j
-
