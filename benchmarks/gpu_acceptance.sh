@@ -5,6 +5,7 @@
 # runs on a new host, and what a session with a short lease on one runs first: a step that
 # hangs costs its limit, not the lease, and the summary says which steps ran. The exit
 # status is 1 if a step failed or was stopped at its limit, 0 if every step that ran passed.
+# Last, everything in OUT is packed into OUT/logs.tar.gz.
 #
 #   benchmarks/gpu_acceptance.sh [STEP...]   default: every step below but routing, in order
 #   OUT=runs/gpu-acceptance                  where the logs go
@@ -150,6 +151,8 @@ for s in "${steps[@]}"; do
     run "$s"
 done
 echo "== summary ($((SECONDS - start)) s of a ${BUDGET_S} s budget)"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+# Every log and profile in one file, for a ticket or a copy off the host.
+tar -czf "$OUT/logs.tar.gz" --exclude logs.tar.gz -C "$OUT" . && echo "logs: $OUT/logs.tar.gz"
 ((interrupted || failed)) && exit 1
 exit 0

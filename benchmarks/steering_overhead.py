@@ -96,8 +96,13 @@ def profile_runs(
         profiler.enable()
         run_coxswain(llm, name, work, params, device)
         profiler.disable()
-        (out / f"{name.replace(' ', '-').replace('=', '')}.txt").write_text(profile_text(profiler))
+        (out / f"{file_name(name)}.txt").write_text(profile_text(profiler))
     print(f"profiles of one run per config: {out}")
+
+
+def file_name(config: str) -> str:
+    """A config's name as a file name (`coxswain K=1` -> `coxswain-K1`)."""
+    return config.replace(" ", "-").replace("=", "")
 
 
 def profile_text(profiler: cProfile.Profile) -> str:
@@ -282,11 +287,19 @@ def load_adapters(llm: LLM, count: int, scale: float, seed: int) -> None:
 DECODE_SLACK = 16
 
 
+# Engine stats of capture's way to the host, taken per config over its timed decode steps.
+DRAIN_STATS = (
+    "capture_drain_blocks", "capture_drain_copy_wait_s", "capture_drain_move_s",
+    "capture_drain_lag_s", "num_capture_host_waits", "capture_host_wait_s",
+)  # fmt: skip
+
+
 def decode_rates(
     llm: LLM, prompts: list[list[int]], configs: dict[str, list[SamplingParams]], steps: int,
     repeats: int, device: torch.device,
     actions: dict[str, tuple[list[Any], list[Any]]] | None = None, profile: Path | None = None,
-) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:  # fmt: skip
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float],
+           dict[str, dict[str, float]]]:  # fmt: skip
     """Steady-state decode tok/s of each config: every request prefilled and a few steps
     warm, then `steps` timed engine steps of the whole batch (no request ends in them),
     `repeats` times, round-robin over the configs. Two rates: the batch over the median
@@ -299,7 +312,8 @@ def decode_rates(
     all steps. With overlapped steps a step takes the larger of the two. `actions`:
     engine actions submitted before a config runs and after it (monitors). `profile`: one
     more, untimed pass per config with its steps under cProfile (`profile_text`), in
-    `profile/decode-<config>.txt`."""
+    `profile/decode-<config>.txt`. Last, per config, the capture counters of its timed
+    steps (`DRAIN_STATS`, summed over its passes)."""
     waited = [0.0]
     result = PendingStep.result
 
@@ -315,6 +329,7 @@ def decode_rates(
     step_s: dict[str, list[float]] = {name: [] for name in configs}
     host_s: dict[str, list[float]] = {name: [] for name in configs}
     gpu_ms: dict[str, float] = {}
+    drains = {name: dict.fromkeys(DRAIN_STATS, 0.0) for name in configs}
     PendingStep.result = timed_result
     actions = actions or {}
     for rep in range(repeats + (profile is not None)):
@@ -336,11 +351,14 @@ def decode_rates(
                 assert profile is not None
                 profile.mkdir(parents=True, exist_ok=True)
                 profiler = cProfile.Profile()
-                profiler.runcall(lambda: [engine.step() for _ in range(steps)])
+                profiler.enable()
+                for _ in range(steps):
+                    engine.step()
+                profiler.disable()
                 sync(device)
-                path = profile / f"decode-{name.replace(' ', '-').replace('=', '')}.txt"
-                path.write_text(profile_text(profiler))
+                (profile / f"decode-{file_name(name)}.txt").write_text(profile_text(profiler))
             else:
+                before_stats = engine.stats()
                 start = last = time.perf_counter()
                 for _ in range(steps):
                     waited[0] = 0.0
@@ -352,6 +370,9 @@ def decode_rates(
                 sync(device)
                 rate = len(prompts) * steps / (time.perf_counter() - start)
                 best[name] = max(best[name], rate)
+                after_stats = engine.stats()
+                for key in DRAIN_STATS:
+                    drains[name][key] += after_stats[key] - before_stats[key]
                 ms = replay_ms(engine.runner, len(prompts), graph_kind(engine.runner, counts))
                 if ms is not None:
                     gpu_ms[name] = min(gpu_ms.get(name, ms), ms)
@@ -364,7 +385,7 @@ def decode_rates(
     PendingStep.result = result
     median = {name: len(prompts) / statistics.median(ts) for name, ts in step_s.items()}
     host_ms = {name: 1e3 * statistics.median(ts) for name, ts in host_s.items()}
-    return median, best, gpu_ms, host_ms
+    return median, best, gpu_ms, host_ms, drains
 
 
 def graph_counts(runner: Any) -> dict[str, int]:
@@ -695,7 +716,7 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         extra = read_back_configs(vectors, layers, L, args.scale, n_out, args.adapters)
         decode_configs |= {name: params for name, (params, _, _) in extra.items()}
         actions = {name: (before, after) for name, (_, before, after) in extra.items()}
-        rates, best, gpu_ms, host_ms = decode_rates(
+        rates, best, gpu_ms, host_ms, drains = decode_rates(
             llm, work, decode_configs, args.decode_steps, args.repeats, device, actions,
             profile=args.profile,
         )  # fmt: skip
@@ -724,17 +745,21 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
             f" reserve: {stats['num_capture_host_misses']}, steps that waited for its rows:"
             f" {stats['num_capture_host_waits']} ({stats['capture_host_wait_s']:.2f} s)"
         )
-        if blocks := stats["capture_drain_blocks"]:  # where the rows' way to the host went
-            per = {
-                k: 1e3 * stats[f"capture_drain_{k}_s"] / blocks
-                for k in ("copy_wait", "move", "lag")
-            }
-            print(
-                f"capture drain: {blocks} blocks; a block: {per['move']:.2f} ms moving it to"
-                f" pageable memory, {per['copy_wait']:.2f} ms waiting for its copy,"
-                f" {per['lag']:.2f} ms from the step's submission to its rows' return;"
-                f" transparent huge pages: {transparent_huge_pages()}"
-            )
+        for name, d in drains.items():  # where each capturing config's rows went
+            if blocks := d["capture_drain_blocks"]:
+                per = {
+                    k: 1e3 * d[f"capture_drain_{k}_s"] / blocks
+                    for k in ("copy_wait", "move", "lag")
+                }
+                print(
+                    f"{name}: {blocks:.0f} blocks drained in its timed steps; a block took"
+                    f" {per['move']:.2f} ms to move to pageable memory, waited"
+                    f" {per['copy_wait']:.2f} ms for its copy, {per['lag']:.2f} ms from"
+                    f" submission to its rows' return; the steps waited for rows"
+                    f" {d['num_capture_host_waits']:.0f} times, {d['capture_host_wait_s']:.2f} s"
+                )
+        if any(d["capture_drain_blocks"] for d in drains.values()):
+            print(f"transparent huge pages: {transparent_huge_pages()}")
         if args.adapters:  # they must change outputs, or a no-op adapter path looks free
             name = f"adapters x{args.adapters}"
             count = changed(run_coxswain(llm, name, work, extra[name][0], device), plain)

@@ -126,6 +126,7 @@ def _local_rank(
     fused = getattr(engine_config, "fused_all_reduce_norm", False)
     microbatches = getattr(engine_config, "pipeline_microbatches", 1)
     ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type, fused, microbatches)
+    engine = None
     try:
         engine = LLMEngine(model, engine_config, ctx=ctx, sync=sync)
         if driver_fn is None:
@@ -142,17 +143,19 @@ def _local_rank(
             sync.stop()
     finally:
         faulthandler.cancel_dump_traceback_later()
-        _leave_process_group(device_type)
+        _leave_process_group(device_type, engine)
 
 
-def _leave_process_group(device_type: str) -> None:
-    """Tear this rank's process groups down on the way out. Under NCCL, with collectives
-    captured in CUDA graphs, `destroy_process_group` can wait forever in the communicators'
-    shutdown (pytorch/pytorch#115388; on four H200s every rank of a TP=4 replica sat there
-    until `_reap` stopped it): once this rank's work has run, abort the communicators, which
-    waits for no peer. Gloo's teardown does not hang."""
+def _leave_process_group(device_type: str, engine: LLMEngine | None) -> None:
+    """Tear this rank's process groups down on the way out. NCCL does not shut down a
+    communicator while a CUDA graph that captured its collectives lives
+    (pytorch/pytorch#115388: on four H200s every rank of a TP=4 replica sat in
+    `destroy_process_group` until `_reap` stopped it), so the engine's graphs go first."""
+    if engine is not None:
+        engine.runner.release_graphs()
     if device_type == "cuda":
-        torch.cuda.synchronize()  # what this rank sent has left it
-        dist.distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+        try:
+            torch.cuda.synchronize()  # the graphs' memory and this rank's last sends
+        except RuntimeError:  # a device error: the rank's own result says what happened
+            log.exception("rank teardown: CUDA synchronize failed")
+    dist.destroy_process_group()

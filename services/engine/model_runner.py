@@ -389,6 +389,18 @@ class ModelRunner:
         finally:
             self.adapters.step_rows = None
 
+    def release_graphs(self) -> None:
+        """Destroy every decode graph and their memory pool; later steps run eagerly. A
+        communicator whose collectives a live graph captured cannot shut down (NCCL waits
+        for those graphs to go: pytorch/pytorch#115388), so a parallel rank releases its
+        graphs before it leaves its process groups."""
+        for graphs in self.graph_sets.values():
+            for g in graphs.values():
+                g.graph.reset()
+        self.graph_sets.clear()
+        self.graph_sizes = []
+        self._graph_pool = None
+
     def _refresh_graphs(self) -> None:
         """Re-capture every graph if the adapter bank re-laid its tables since (a LoRA of a
         rank above the reserved columns was loaded): they read the old buffers, the target

@@ -142,29 +142,29 @@ class CaptureDrain:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, torch.dtype, float] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="capture-drain", daemon=True)
-        self._thread.start()
         self.num_blocks = 0
         self.copy_wait_s = self.move_s = self.lag_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="capture-drain", daemon=True)
+        self._thread.start()
 
     def submit(self, block: Any, dtype: torch.dtype) -> None:
         block.drained = threading.Event()
-        self._queue.put((block, dtype, time.perf_counter()))
+        self._queue.put((block, dtype, time.monotonic()))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             block, dtype, submitted = item
             try:
-                began = time.perf_counter()
+                began = time.monotonic()
                 if block.done is not None:
                     block.done.synchronize()  # releases the GIL while it waits
-                landed = time.perf_counter()
+                landed = time.monotonic()
                 # pageable, on huge pages: 4 KiB page faults would cost ten times the copy
                 host = host_empty(block.host.shape, dtype)
                 host.copy_(block.host)
                 block.host = host
                 block.lease = None  # the pinned rows go back to the arena now
-                done = time.perf_counter()
+                done = time.monotonic()
                 self.copy_wait_s += landed - began
                 self.move_s += done - landed
                 self.lag_s += done - submitted

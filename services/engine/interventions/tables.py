@@ -333,6 +333,7 @@ def _fill_layers(rows: torch.Tensor, layers: list[int], v: torch.Tensor) -> None
     """`rows[layers] = v` ([L, H] rows, a vector [H]), cast to the rows' dtype: a copy per
     run of consecutive layers (all of them, mostly), not an indexed write."""
     layers = sorted(layers)
+    assert not layers or 0 <= layers[0] <= layers[-1] < rows.shape[0], layers
     start = 0
     for j in range(1, len(layers) + 1):
         if j == len(layers) or layers[j] != layers[j - 1] + 1:
