@@ -971,6 +971,7 @@ def readme_tables(records: Path = RECORDS) -> dict[str, str]:
             load_records(records / "cpu-carry-designs.jsonl"),
             load_records(records / "cpu-carry-midpoint.jsonl"),
         ),
+        "device-carry": tables(load_records(records / "device-carry.jsonl")),
     }
 
 
