@@ -450,3 +450,26 @@ def test_a_post_block_capture_in_bfloat16_copies_its_sites_alone(tiny_checkpoint
         for key, rows in g.captures.items():
             assert rows.dtype == torch.bfloat16
             assert torch.equal(rows, w.captures[key].bfloat16())
+
+
+def test_capture_decode_steps_make_no_host_sync(tiny_checkpoint):
+    """Per-token capture at every layer: the decode steps queue the block's copy on a stream
+    of their own and hand it to the drain thread without waiting for the device (only the
+    event waits of the sampled ids and of the drain cross back; a sync would serialise the
+    host with the step in flight). On an H200, per-token capture of the Llama-3-8B shape at
+    batch 128 took 52 ms of host time a step against 2.3 plain; this rules syncs out."""
+    engine = LLMEngine(tiny_checkpoint("qwen3"), EngineConfig(device="cuda", dtype="bfloat16"))
+    capture = {"sites": {"post_block": "all"}, "positions": "all_generated"}
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, capture=capture)
+    for i, p in enumerate(_prompts()):
+        engine.add_request(str(i), p, params)
+    for _ in range(5):  # prefills and graph warm-up
+        engine.step()
+    before = engine.stats()["num_capture_graph_steps"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.stats()["num_capture_graph_steps"] - before == 10
