@@ -10,6 +10,7 @@
 #   benchmarks/gpu_acceptance.sh [STEP...]   default: every step below but routing, in order
 #   OUT=runs/gpu-acceptance                  where the logs go
 #   BUDGET_S=1500                            a step starts only with half its limit left
+#   LANES=1                                  one-GPU steps at once, one lane a GPU (below)
 #
 # Steps (GPUs needed; limit):
 #   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 420 s)
@@ -31,6 +32,12 @@
 # lacks is skipped, and says so. Run from the repository root with the dependencies
 # importable (`deploy/offline/install.sh` on a host without internet). Ctrl-C stops the
 # step running and the run.
+#
+# LANES=1 on a host of several GPUs runs the one-GPU steps asked for at the same time, in a
+# lane a GPU (this script again, with OUT/gpuN), the longest first onto the lane with the
+# least to do; then the other steps, in order. Four GPUs take the one-GPU steps in about
+# the time of the longest. The lanes share the host's CPU, so a host-bound number measured
+# this way may read worse than on a quiet host: time the step alone for one you report.
 set -uo pipefail
 
 STEPS=(tests tests-nccl decode profile steering capture tp 70b routing)
@@ -52,6 +59,48 @@ one="CUDA_VISIBLE_DEVICES=${first%%,*}"  # one-GPU steps: the first visible GPU
 start=$SECONDS
 summary=()
 failed=0
+interrupted=0
+
+# The one-GPU steps and their limits (as `run` gives them), for LANES.
+declare -A ONE_GPU=([tests]=420 [decode]=240 [profile]=200 [steering]=240 [capture]=360)
+
+# lanes: run the one-GPU steps of `steps` in a lane a GPU, and leave the rest in `steps`.
+lanes() {
+    local ids s i best
+    IFS=, read -ra ids <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}"
+    local -a load=() todo=() pids=() rest=()
+    for i in "${!ids[@]}"; do load[i]=0; todo[i]=""; done
+    # longest first, each onto the lane with the least to do
+    for s in $(for s in "${steps[@]}"; do
+        [[ -n ${ONE_GPU[$s]:-} ]] && echo "${ONE_GPU[$s]} $s"
+    done | sort -rn | cut -d' ' -f2); do
+        best=0
+        for i in "${!ids[@]}"; do ((load[i] < load[best])) && best=$i; done
+        load[best]=$((load[best] + ONE_GPU[$s]))
+        todo[best]+=" $s"
+    done
+    for s in "${steps[@]}"; do [[ -z ${ONE_GPU[$s]:-} ]] && rest+=("$s"); done
+    for i in "${!ids[@]}"; do
+        [[ -z ${todo[i]} ]] && continue
+        local mine=()  # in the order asked
+        for s in "${steps[@]}"; do [[ " ${todo[i]} " == *" $s "* ]] && mine+=("$s"); done
+        echo "== lane gpu${ids[i]}: ${mine[*]} (log: $OUT/gpu${ids[i]}.txt)"
+        LANES= CUDA_VISIBLE_DEVICES=${ids[i]} OUT="$OUT/gpu${ids[i]}" BUDGET_S=$BUDGET_S \
+            bash "$0" "${mine[@]}" >"$OUT/gpu${ids[i]}.txt" 2>&1 &
+        pids+=($!)
+    done
+    trap 'kill -TERM "${pids[@]}" 2>/dev/null; interrupted=1' INT TERM
+    for i in "${!pids[@]}"; do
+        wait "${pids[i]}" || failed=1
+    done
+    ((interrupted)) && for i in "${!pids[@]}"; do wait "${pids[i]}"; done
+    trap - INT TERM
+    for i in "${!ids[@]}"; do
+        local lane="$OUT/gpu${ids[i]}/summary.txt"
+        [[ -f $lane ]] && while IFS= read -r s; do summary+=("gpu${ids[i]} $s"); done <"$lane"
+    done
+    steps=("${rest[@]}")
+}
 noise='TCPStore|frame #|Exception raised|ProcessGroupNCCL.cpp|^$'
 
 # step NAME GPUS LIMIT_S CMD...: run CMD with its output in OUT/NAME.log, then print its tail.
@@ -144,8 +193,8 @@ run() {
     esac
 }
 
-interrupted=0
 nvidia-smi -L 2>/dev/null
+[[ ${LANES:-} == 1 ]] && ((gpus > 1)) && lanes
 for s in "${steps[@]}"; do
     ((interrupted)) && summary+=("$s: not started (interrupted)") && continue
     run "$s"
