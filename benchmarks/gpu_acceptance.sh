@@ -16,7 +16,8 @@
 #   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 420 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      decode.py: ceiling, Coxswain, Coxswain on cuBLASLt; Qwen3-0.6B, Llama-3-8B (1; 240 s)
-#   profile     profile_decode.py's kernel table, and the Llama-3-8B batch-256 step (1; 200 s)
+#   profile     profile_decode.py's kernel table and host stages (plain, and with per-token
+#               capture), and the Llama-3-8B batch-256 step (1; 260 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
 #   capture     host_copy.py on this host (the Llama-3-8B batch-128 block), then
 #               steering_overhead.py's capture rows at batch 32 (Qwen3-0.6B shape) and at
@@ -62,7 +63,7 @@ failed=0
 interrupted=0
 
 # The one-GPU steps and their limits (as `run` gives them), for LANES.
-declare -A ONE_GPU=([tests]=420 [decode]=240 [profile]=200 [steering]=240 [capture]=360)
+declare -A ONE_GPU=([tests]=420 [decode]=240 [profile]=260 [steering]=240 [capture]=360)
 
 # lanes: run the one-GPU steps of `steps` in a lane a GPU, and leave the rest in `steps`.
 lanes() {
@@ -155,8 +156,9 @@ run() {
             "$d --shape qwen3-0.6b --batch-sizes 1,32,128" \
             "$d --shape llama3-8b --batch-sizes 1,32,128" ;;
     profile)
-        step profile 1 200 bash -c "$both" profile \
+        step profile 1 260 bash -c "$both" profile \
             "$one python3 benchmarks/profile_decode.py --batch-sizes 1,32,128" \
+            "$one python3 benchmarks/profile_decode.py --batch-sizes 32,128 --capture" \
             "$one python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
                 --batch-sizes 256 --profile $(printf %q "$OUT/profile-b256")" ;;
     steering)

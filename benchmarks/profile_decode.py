@@ -11,8 +11,11 @@ On a generated Qwen3-0.6B-shaped checkpoint (context 512), for each batch size i
 
 Requests are sent as `coxswain serve`'s front end sends them: with `detokenize=False`, since
 that process decodes the text (`services/engine/detokenizer.py`); `--engine-detokenizes`
-measures the engine decoding it, as `LLM.generate` has it. `--device cpu` times the host's
-stages only, on a two-layer model (the forward small beside the host's work).
+measures the engine decoding it, as `LLM.generate` has it. `--capture` has every request
+capture post_block of every layer at every generated token (per-token capture's host
+cost). `--device cpu` times the host's stages only, on a two-layer model (the forward small
+beside the host's work). The startup heap is frozen, as `coxswain serve` freezes it
+(`services/engine/heap.py`).
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py
     PYTHONPATH=. python3 benchmarks/profile_decode.py --device cpu --engine-detokenizes
@@ -38,6 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 import services.engine.model_runner as model_runner
 import services.engine.step_batch as step_batch
 from services.engine import EngineConfig, LLMEngine, SamplingParams
+from services.engine.heap import freeze_startup_heap
 from services.engine.interventions.manager import InterventionManager
 from services.engine.model.tiny import make_tiny_checkpoint
 from services.engine.scheduler import Scheduler
@@ -128,6 +132,11 @@ def main() -> None:
     p.add_argument("--engine-detokenizes", action="store_true")
     p.add_argument("--batch-sizes", default="1,32,128")
     p.add_argument(
+        "--capture",
+        action="store_true",
+        help="every request captures post_block of every layer at every generated token",
+    )
+    p.add_argument(
         "--top-kernels", type=int, default=25, help="kernels listed per batch size (CUDA)"
     )
     args = p.parse_args()
@@ -145,12 +154,17 @@ def main() -> None:
         max_num_batched_tokens=8192, max_model_len=1024, enable_prefix_caching=False,
     )  # fmt: skip
     engine = LLMEngine(path, cfg)
+    freeze_startup_heap()  # as a serving process does (`coxswain serve`)
     rng = random.Random(0)
+    capture = {"sites": {"post_block": "all"}, "positions": "all_generated"}
     params = SamplingParams(
-        max_tokens=400, temperature=0.0, ignore_eos=True, detokenize=args.engine_detokenizes
-    )
+        max_tokens=400, temperature=0.0, ignore_eos=True, detokenize=args.engine_detokenizes,
+        capture=capture if args.capture else None,
+    )  # fmt: skip
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"text decoded by {'the engine' if args.engine_detokenizes else 'the front end'}")
+    if args.capture:
+        print(f"every request captures {capture}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         rids = [f"{batch}-{i}" for i in range(batch)]
         for rid in rids:

@@ -42,6 +42,7 @@ from generated_model import add_model_arguments, checkpoint_dir, resolve_device
 from throughput import DTYPES, hf_generate, load_hf, sync
 
 from services.engine import LLM, SamplingParams
+from services.engine.heap import freeze_startup_heap
 from services.engine.host_memory import transparent_huge_pages
 from services.engine.interventions.actions import SteeringMonitorUpdate
 from services.engine.model.config import load_model_config
@@ -610,6 +611,9 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         adapter_capacity=args.adapters if args.decode_steps else 0,
         seed=args.seed,
     )
+    # As a serving process does (`coxswain serve`, a cluster's replicas): the collector
+    # leaves what exists now alone, and a full collection no longer stalls a pass.
+    print(f"startup heap frozen: {freeze_startup_heap()} objects")
     k_names = {
         k: f"coxswain K={k}" + (f" ({args.num_seqs} used)" if args.num_seqs < k else "")
         for k in args.ks

@@ -5,6 +5,7 @@ and read-outs in one continuous batch. Module-level so spawned ranks can import 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import signal
 import time
 
@@ -283,3 +284,8 @@ def stalled(engine) -> str:
     """A driver that stops stepping for 8 s (its peers wait for its next broadcast)."""
     time.sleep(8)
     return "late"
+
+
+def frozen_heap(engine) -> int:
+    """How many objects this rank's process froze at start (`heap.freeze_startup_heap`)."""
+    return gc.get_freeze_count()

@@ -158,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from services.common.auth import ApiKey, ApiKeys
+    from services.engine.heap import freeze_startup_heap
     from services.engine.service import EngineService
     from services.gateway.process_backend import BackendServer, http_frontend
 
@@ -169,6 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model_dir = resolve_model("tiny" if args.tiny or not args.model else args.model)
     check_model_dir(model_dir)
     service = EngineService.from_model(model_dir, model_id=model_dir.name, **engine_kwargs(args))
+    freeze_startup_heap()  # this process serves one engine for its life
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server = BackendServer(service)

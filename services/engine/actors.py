@@ -25,6 +25,7 @@ from typing import Any
 
 from services.common.errors import InvalidRequestError, ServiceUnavailableError
 from services.common.net import free_port
+from services.engine.heap import freeze_startup_heap
 
 
 def process_placement() -> dict[str, Any]:
@@ -93,6 +94,7 @@ class EngineRank:
 
             store = PatchStoreClient(patch_store_address)
         engine = LLMEngine(model, config, ctx=ctx, patch_store=store, sync=sync)
+        freeze_startup_heap()  # a rank actor's process serves this engine for its life
         if sync.is_driver:
             self.service = EngineService(AsyncLLM(engine=engine), model_id=model_id)
             if redis_url:  # the async controller's read-outs and actions

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from services.common.net import free_port
 from services.engine.distributed import init_replica, run_worker
+from services.engine.heap import freeze_startup_heap
 from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ def _local_rank(
     engine = None
     try:
         engine = LLMEngine(model, engine_config, ctx=ctx, sync=sync)
+        freeze_startup_heap()  # a rank's process serves this engine for its life
         if driver_fn is None:
             run_worker(engine)
             return

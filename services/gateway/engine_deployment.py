@@ -62,6 +62,7 @@ class EngineDeployment:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         model_id = a.model_id or Path(model_dir).name
         if a.tp * a.pp == 1:
+            from services.engine.heap import freeze_startup_heap
             from services.engine.service import EngineService
 
             _check_holds_gpu(a)
@@ -73,6 +74,7 @@ class EngineDeployment:
             self.service = EngineService.from_model(
                 model_dir, model_id=model_id, patch_store=store, **config
             )
+            freeze_startup_heap()  # this replica's process serves the engine for its life
             self._link(a.redis_url)
         else:
             from services.engine.actors import EngineReplica

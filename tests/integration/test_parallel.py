@@ -120,6 +120,16 @@ def test_a_parallel_replica_overlaps_steps_like_one_process(checkpoint, tp, pp):
     assert got == want
 
 
+def test_a_rank_freezes_its_startup_heap(checkpoint):
+    """A rank's process serves its engine for its life, so the objects it holds once the
+    engine is built leave the cyclic collector's generations (`heap.freeze_startup_heap`):
+    its oldest-generation collections no longer stall every request in flight."""
+    frozen = launch_local(
+        str(checkpoint), 2, 1, parallel_workload.frozen_heap, engine_config=CONFIG
+    )
+    assert frozen > 10_000
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_pipeline_microbatches_take_turns_and_decode_like_one_process(checkpoint, tp):
     """`pipeline_microbatches=2` on two stages: overlapped decode steps carry disjoint
