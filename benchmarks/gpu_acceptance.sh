@@ -49,6 +49,7 @@ steps=("$@")
 for s in "${steps[@]}"; do
     [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "unknown step $s (${STEPS[*]})" >&2; exit 2; }
 done
+mapfile -t steps < <(printf '%s\n' "${steps[@]}" | awk '!seen[$0]++')  # each step once
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())') || {
@@ -62,14 +63,16 @@ summary=()
 failed=0
 interrupted=0
 
-# The one-GPU steps and their limits (as `run` gives them), for LANES.
+# The one-GPU steps and their limits (`run` reads them here), for LANES.
 declare -A ONE_GPU=([tests]=420 [decode]=240 [profile]=260 [steering]=240 [capture]=360)
 
 # lanes: run the one-GPU steps of `steps` in a lane a GPU, and leave the rest in `steps`.
+# Lane N (OUT/gpuN) runs on the Nth GPU this process sees (its id in CUDA_VISIBLE_DEVICES).
 lanes() {
-    local ids s i best
+    local ids s i best lane
     IFS=, read -ra ids <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}"
-    local -a load=() todo=() pids=() rest=()
+    ids=("${ids[@]:0:gpus}")  # a listed id torch does not see gets no lane
+    local -a load=() todo=() pids=() lane_of=() rest=()
     for i in "${!ids[@]}"; do load[i]=0; todo[i]=""; done
     # longest first, each onto the lane with the least to do
     for s in $(for s in "${steps[@]}"; do
@@ -81,24 +84,38 @@ lanes() {
         todo[best]+=" $s"
     done
     for s in "${steps[@]}"; do [[ -z ${ONE_GPU[$s]:-} ]] && rest+=("$s"); done
+    trap 'kill -TERM "${pids[@]}" 2>/dev/null; interrupted=1' INT TERM
     for i in "${!ids[@]}"; do
         [[ -z ${todo[i]} ]] && continue
         local mine=()  # in the order asked
         for s in "${steps[@]}"; do [[ " ${todo[i]} " == *" $s "* ]] && mine+=("$s"); done
-        echo "== lane gpu${ids[i]}: ${mine[*]} (log: $OUT/gpu${ids[i]}.txt)"
-        LANES= CUDA_VISIBLE_DEVICES=${ids[i]} OUT="$OUT/gpu${ids[i]}" BUDGET_S=$BUDGET_S \
-            bash "$0" "${mine[@]}" >"$OUT/gpu${ids[i]}.txt" 2>&1 &
+        echo "== lane gpu$i (CUDA_VISIBLE_DEVICES=${ids[i]}): ${mine[*]} (log: $OUT/gpu$i.txt)"
+        rm -f "$OUT/gpu$i/summary.txt"  # an earlier run's, which a lane that dies would leave
+        LANES= CUDA_VISIBLE_DEVICES=${ids[i]} OUT="$OUT/gpu$i" BUDGET_S=$BUDGET_S \
+            bash "$0" "${mine[@]}" >"$OUT/gpu$i.txt" 2>&1 &
         pids+=($!)
+        lane_of+=("$i")
     done
-    trap 'kill -TERM "${pids[@]}" 2>/dev/null; interrupted=1' INT TERM
+    local -a rcs=()
     for i in "${!pids[@]}"; do
-        wait "${pids[i]}" || failed=1
+        wait "${pids[i]}"
+        rcs[i]=$?
     done
-    ((interrupted)) && for i in "${!pids[@]}"; do wait "${pids[i]}"; done
+    if ((interrupted)); then  # the trap cut a wait short: wait for every lane to stop
+        for i in "${!pids[@]}"; do
+            wait "${pids[i]}"
+            rcs[i]=$?
+        done
+    fi
     trap - INT TERM
-    for i in "${!ids[@]}"; do
-        local lane="$OUT/gpu${ids[i]}/summary.txt"
-        [[ -f $lane ]] && while IFS= read -r s; do summary+=("gpu${ids[i]} $s"); done <"$lane"
+    for i in "${!pids[@]}"; do
+        ((rcs[i] != 0)) && failed=1
+        lane="$OUT/gpu${lane_of[i]}/summary.txt"
+        if [[ -f $lane ]]; then
+            while IFS= read -r s; do summary+=("gpu${lane_of[i]} $s"); done <"$lane"
+        else
+            summary+=("gpu${lane_of[i]}:${todo[lane_of[i]]}: the lane ended (rc ${rcs[i]}) without a summary")
+        fi
     done
     steps=("${rest[@]}")
 }
@@ -145,24 +162,24 @@ both='rc=0; for c in "$@"; do bash -c "$c" || rc=$?; done; exit $rc'
 run() {
     case $1 in
     tests)
-        step tests 1 420 env "$one" python3 -m pytest -q tests/gpu \
+        step tests 1 "${ONE_GPU[tests]}" env "$one" python3 -m pytest -q tests/gpu \
             --deselect tests/gpu/test_parallel_nccl.py \
             tests/integration/test_oracle_bf16.py tests/integration/test_steering_bf16.py ;;
     tests-nccl)
         step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
         local d="$one python3 benchmarks/decode.py --systems ceiling,coxswain,coxswain-lt"
-        step decode 1 240 bash -c "$both" decode \
+        step decode 1 "${ONE_GPU[decode]}" bash -c "$both" decode \
             "$d --shape qwen3-0.6b --batch-sizes 1,32,128" \
             "$d --shape llama3-8b --batch-sizes 1,32,128" ;;
     profile)
-        step profile 1 260 bash -c "$both" profile \
+        step profile 1 "${ONE_GPU[profile]}" bash -c "$both" profile \
             "$one python3 benchmarks/profile_decode.py --batch-sizes 1,32,128" \
             "$one python3 benchmarks/profile_decode.py --batch-sizes 32,128 --capture" \
             "$one python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
                 --batch-sizes 256 --profile $(printf %q "$OUT/profile-b256")" ;;
     steering)
-        step steering 1 240 env "$one" python3 benchmarks/steering_overhead.py \
+        step steering 1 "${ONE_GPU[steering]}" env "$one" python3 benchmarks/steering_overhead.py \
             --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
             --vocab 151936 --num-seqs 128 --prompt-len 512 --output-len 64 \
             --max-num-batched-tokens 16384 --skip-hf --repeats 2 --ks 1,128 \
@@ -172,7 +189,7 @@ run() {
         so+=" --skip-hf --repeats 2 --ks 1 --decode-steps 32 --adapters 0"
         local llama="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336"
         llama+=" --vocab 128256 --gpu-memory-utilization 0.8"
-        step capture 1 360 bash -c "$both" capture \
+        step capture 1 "${ONE_GPU[capture]}" bash -c "$both" capture \
             "python3 benchmarks/host_copy.py --tokens 128 --layers 32 --hidden 4096" \
             "$so --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
                 --vocab 151936 --num-seqs 32" \
@@ -204,6 +221,7 @@ done
 echo "== summary ($((SECONDS - start)) s of a ${BUDGET_S} s budget)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 # Every log and profile in one file, for a ticket or a copy off the host.
-tar -czf "$OUT/logs.tar.gz" --exclude logs.tar.gz -C "$OUT" . && echo "logs: $OUT/logs.tar.gz"
+packed=$(mktemp) && tar -czf "$packed" --exclude logs.tar.gz -C "$OUT" . &&
+    mv "$packed" "$OUT/logs.tar.gz" && echo "logs: $OUT/logs.tar.gz"
 ((interrupted || failed)) && exit 1
 exit 0

@@ -153,11 +153,12 @@ def _leave_process_group(device_type: str, engine: LLMEngine | None) -> None:
     communicator while a CUDA graph that captured its collectives lives
     (pytorch/pytorch#115388: on four H200s every rank of a TP=4 replica sat in
     `destroy_process_group` until `_reap` stopped it), so the engine's graphs go first."""
-    if engine is not None:
-        engine.runner.release_graphs()
-    if device_type == "cuda":
-        try:
-            torch.cuda.synchronize()  # the graphs' memory and this rank's last sends
-        except RuntimeError:  # a device error: the rank's own result says what happened
-            log.exception("rank teardown: CUDA synchronize failed")
-    dist.destroy_process_group()
+    try:
+        if device_type == "cuda":
+            torch.cuda.synchronize()  # this rank's last sends have left it
+        if engine is not None:
+            engine.runner.release_graphs()
+    except RuntimeError:  # a device error: the rank's own result says what happened
+        log.exception("rank teardown: releasing the CUDA graphs failed")
+    finally:
+        dist.destroy_process_group()
