@@ -126,21 +126,30 @@ def test_graph_replay_equals_eager_bfloat16(tiny_checkpoint):
 def test_decode_steps_make_no_host_sync(tiny_checkpoint):
     """Only the pinned copy of sampled ids (waited on by an event) crosses back: anything
     else that syncs (.item(), .tolist() of a device tensor, .any()) raises in this mode."""
-    engine = LLMEngine(tiny_checkpoint("qwen3"), EngineConfig(device="cuda", dtype="bfloat16"))
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=50, seed=1)
+    graphed = _steps_without_sync(tiny_checkpoint, lambda i: params if i % 2 else seeded)
+    assert graphed["num_graph_steps"] == 10
+
+
+def _steps_without_sync(tiny_checkpoint, params_for: Callable[[int], SamplingParams]) -> dict:
+    """Admit the prompts (prompt i with `params_for(i)`), step past their prefills and the
+    graphs' warm-up, then take 10 decode steps where a synchronizing CUDA call raises; the
+    engine's step counters' growth over those 10."""
+    engine = LLMEngine(tiny_checkpoint("qwen3"), EngineConfig(device="cuda", dtype="bfloat16"))
     for i, p in enumerate(_prompts()):
-        engine.add_request(str(i), p, params if i % 2 else seeded)
+        engine.add_request(str(i), p, params_for(i))
     for _ in range(5):  # prefills and graph warm-up
         engine.step()
-    before = engine.stats()["num_graph_steps"]
+    before = engine.stats()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(10):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert engine.stats()["num_graph_steps"] - before == 10
+    after = engine.stats()
+    return {k: after[k] - before[k] for k in ("num_graph_steps", "num_capture_graph_steps")}
 
 
 def test_steered_admission_and_prefill_make_no_host_sync(tiny_checkpoint):
@@ -458,18 +467,6 @@ def test_capture_decode_steps_make_no_host_sync(tiny_checkpoint):
     event waits of the sampled ids and of the drain cross back; a sync would serialise the
     host with the step in flight). On an H200, per-token capture of the Llama-3-8B shape at
     batch 128 took 52 ms of host time a step against 2.3 plain; this rules syncs out."""
-    engine = LLMEngine(tiny_checkpoint("qwen3"), EngineConfig(device="cuda", dtype="bfloat16"))
     capture = {"sites": {"post_block": "all"}, "positions": "all_generated"}
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, capture=capture)
-    for i, p in enumerate(_prompts()):
-        engine.add_request(str(i), p, params)
-    for _ in range(5):  # prefills and graph warm-up
-        engine.step()
-    before = engine.stats()["num_capture_graph_steps"]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(10):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert engine.stats()["num_capture_graph_steps"] - before == 10
+    assert _steps_without_sync(tiny_checkpoint, lambda i: params)["num_capture_graph_steps"] == 10
