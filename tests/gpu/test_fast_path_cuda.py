@@ -149,7 +149,8 @@ def _steps_without_sync(tiny_checkpoint, params_for: Callable[[int], SamplingPar
     finally:
         torch.cuda.set_sync_debug_mode("default")
     after = engine.stats()
-    return {k: after[k] - before[k] for k in ("num_graph_steps", "num_capture_graph_steps")}
+    counters = ("num_graph_steps", "num_capture_graph_steps", "capture_drain_blocks")
+    return {k: after[k] - before[k] for k in counters}
 
 
 def test_steered_admission_and_prefill_make_no_host_sync(tiny_checkpoint):
@@ -469,4 +470,6 @@ def test_capture_decode_steps_make_no_host_sync(tiny_checkpoint):
     batch 128 took 52 ms of host time a step against 2.3 plain; this rules syncs out."""
     capture = {"sites": {"post_block": "all"}, "positions": "all_generated"}
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, capture=capture)
-    assert _steps_without_sync(tiny_checkpoint, lambda i: params)["num_capture_graph_steps"] == 10
+    steps = _steps_without_sync(tiny_checkpoint, lambda i: params)
+    assert steps["num_capture_graph_steps"] == 10
+    assert steps["capture_drain_blocks"] > 0  # the drain thread took blocks out meanwhile

@@ -413,6 +413,8 @@ def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(mode
     union = sorted({3 * layer + 2 for layer in range(L)} | {0, 3 + 1})  # capture_slot order
     assert blocks and not no_blocks
     assert all(b.slots == tuple(union) and b.host.shape[1] == len(union) for b in blocks)
+    stats = engine.stats()  # off CUDA a block is the host's at once: no pinned rows, no drain
+    assert stats["capture_drain_blocks"] == stats["num_capture_host_waits"] == 0
     assert len(union) < 3 * L
     p, q = block["p"], block["q"]
     assert sorted(p.captures) == [f"{layer}.post_block" for layer in range(L)]
