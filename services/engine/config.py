@@ -85,7 +85,8 @@ class EngineConfig:
     # draining, one being written).
     capture_host_rows: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
-    # N's tokens (only while no request intervenes; see LLMEngine.step).
+    # N's tokens (not while a patch is still ahead of a request or a sync consumer is
+    # attached, which read what the step before brings back; see LLMEngine._can_overlap).
     async_scheduling: bool = True
     # Tensor parallelism on CUDA: each layer's all-reduces run fused with the residual add
     # and norm after them, one kernel over symmetric memory (kernels/all_reduce_norm.py).
