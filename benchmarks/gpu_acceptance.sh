@@ -37,7 +37,7 @@
 # LANES=1 on a host of several GPUs runs the one-GPU steps asked for at the same time, in a
 # lane a GPU (this script again, with OUT/gpuN), the longest first onto the lane with the
 # least to do; then the other steps, in order. Four GPUs take the one-GPU steps in about
-# the time of the longest. The lanes share the host's CPU, so a host-bound number measured
+# the time of the busiest lane (decode and steering share one). The lanes share the host's CPU, so a host-bound number measured
 # this way may read worse than on a quiet host: time the step alone for one you report.
 set -uo pipefail
 
