@@ -103,13 +103,20 @@ def test_the_front_end_decodes_the_text_the_engine_would_have(remote, local, ser
     it: `detokenizer.py`) and reach the client with the in-process server's text; with a
     stop string the engine decodes it, to match the string, and stops there."""
     seen: dict[str, list[str]] = {}
-    finished = threading.Semaphore(0)
+    finished: set[str] = set()
+    heard = threading.Condition()
 
     def listen(deltas: list) -> None:
-        for d in deltas:
-            seen.setdefault(d.request_id, []).extend(s.text for s in d.samples)
-            if d.finished:
-                finished.release()
+        with heard:
+            for d in deltas:
+                seen.setdefault(d.request_id, []).extend(s.text for s in d.samples)
+                if d.finished:
+                    finished.add(d.request_id)
+            heard.notify_all()
+
+    def all_heard() -> bool:
+        # Our three requests, and any an earlier test left for the listeners to hear, done.
+        return len(finished) >= 3 and finished >= seen.keys()
 
     service.llm.add_listener(listen)
     body = {"prompt": "the quick brown", "max_tokens": 16, "temperature": 0}
@@ -119,15 +126,18 @@ def test_the_front_end_decodes_the_text_the_engine_would_have(remote, local, ser
         text = want.json()["choices"][0]["text"]
         stop = text[2:4]
         stopped = remote.post("/v1/completions", json=body | {"stop": [stop]})
-        # Listeners hear a step after its callers do: wait for the three final deltas.
-        assert all(finished.acquire(timeout=10) for _ in range(3))
+        # Listeners hear a step after its callers do: wait until every request heard
+        # (ours, and any final delta an earlier test's request still owed) has finished.
+        with heard:
+            assert heard.wait_for(all_heard, timeout=10), (seen, finished)
     finally:
         service.llm.remove_listener(listen)
     assert got.status_code == want.status_code == 200, got.text
     assert got.json()["choices"][0]["text"] == text and len(text) > 4
     assert stopped.json()["choices"][0]["text"] == text[: text.index(stop)]
     assert stopped.json()["choices"][0]["finish_reason"] == "stop"
-    engine_texts = ["".join(t) for t in seen.values()]
+    with heard:
+        engine_texts = ["".join(t) for t in seen.values()]
     assert "" in engine_texts  # the front end's plain request: decoded there
     assert text in engine_texts  # the in-process server's: decoded by the engine
     assert text[: text.index(stop)] in engine_texts  # the stop string's: by the engine
