@@ -292,6 +292,8 @@ DECODE_SLACK = 16
 DRAIN_STATS = (
     "capture_drain_blocks", "capture_drain_copy_wait_s", "capture_drain_move_s",
     "capture_drain_lag_s", "num_capture_host_waits", "capture_host_wait_s",
+    "num_capture_host_misses", "num_graph_steps", "num_steered_graph_steps",
+    "num_capture_graph_steps", "num_eager_steps",
 )  # fmt: skip
 
 
@@ -749,6 +751,14 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
             f" reserve: {stats['num_capture_host_misses']}, steps that waited for its rows:"
             f" {stats['num_capture_host_waits']} ({stats['capture_host_wait_s']:.2f} s)"
         )
+        # How each config's timed steps ran: an eager step costs the host a whole forward
+        # pass of launches, so a config that fell off its graphs reads as host-bound.
+        for name, d in drains.items():
+            print(
+                f"{name}: timed steps on graphs {d['num_graph_steps']:.0f} (steered"
+                f" {d['num_steered_graph_steps']:.0f}, capturing"
+                f" {d['num_capture_graph_steps']:.0f}), eager {d['num_eager_steps']:.0f}"
+            )
         for name, d in drains.items():  # where each capturing config's rows went
             if blocks := d["capture_drain_blocks"]:
                 per = {
@@ -760,7 +770,8 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
                     f" {per['move']:.2f} ms to move to pageable memory, waited"
                     f" {per['copy_wait']:.2f} ms for its copy, {per['lag']:.2f} ms from"
                     f" submission to its rows' return; the steps waited for rows"
-                    f" {d['num_capture_host_waits']:.0f} times, {d['capture_host_wait_s']:.2f} s"
+                    f" {d['num_capture_host_waits']:.0f} times, {d['capture_host_wait_s']:.2f} s;"
+                    f" blocks outside the pinned reserve: {d['num_capture_host_misses']:.0f}"
                 )
         if any(d["capture_drain_blocks"] for d in drains.values()):
             print(f"transparent huge pages: {transparent_huge_pages()}")
