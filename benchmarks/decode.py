@@ -17,6 +17,8 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
   (`torch.backends.cuda.preferred_blas_library("cublaslt")` while it is built, its graphs
   captured and run), and its rate over coxswain's: whether cuBLASLt's choice for a
   one-row GEMM (no split-K reduce kernel?) beats cuBLAS's at small batch;
+- coxswain-fm: the same with `EngineConfig.fused_decode_merge` (decode attention in one
+  kernel a layer: the last split merges), and its rate over coxswain's;
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -226,8 +228,9 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
     }
 
 
-# The one-process engines, each its own row: plain; `EngineConfig.skinny_gemm`; cuBLASLt.
-ONE_PROCESS = ("coxswain", "coxswain-skinny", "coxswain-lt")
+# The one-process engines, each its own row: plain; `EngineConfig.skinny_gemm`; cuBLASLt;
+# `EngineConfig.fused_decode_merge`.
+ONE_PROCESS = ("coxswain", "coxswain-skinny", "coxswain-lt", "coxswain-fm")
 
 
 @contextlib.contextmanager
@@ -418,8 +421,15 @@ def main(argv: list[str] | None = None) -> None:
     for system in ONE_PROCESS:
         if system not in systems:
             continue
+        if system == "coxswain-fm" and device.type != "cuda":
+            print("coxswain-fm: fused_decode_merge needs the Triton decode kernel (CUDA): skipped")
+            continue
         t = time.perf_counter()
-        config = dataclasses.replace(engine_config, skinny_gemm=system.endswith("skinny"))
+        config = dataclasses.replace(
+            engine_config,
+            skinny_gemm=system.endswith("skinny"),
+            fused_decode_merge=system.endswith("-fm"),
+        )
         with blas_library("cublaslt" if system.endswith("-lt") else None):
             engine = LLMEngine(args.model, config)
             print(f"{system} engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.decode_attention import (
+    DecodeTickets,
     decode_attention,
     prefill_attention,
     prefill_splits_for,
@@ -249,6 +250,15 @@ class TritonBackend(AttentionBackend):
     supports_graphs = True
     reads_kv_from_cache = True
 
+    def __init__(self, fused_merge: bool = False) -> None:
+        # One-kernel decode (`EngineConfig.fused_decode_merge`): this engine's tickets.
+        self.tickets = DecodeTickets() if fused_merge else None
+
+    def _tickets(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
+        if self.tickets is None:
+            return None
+        return self.tickets.get(q.shape[0] * k_cache.shape[-2], q.device)
+
     def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs | _MixedStep:
         if inputs.is_decode:
             return inputs
@@ -294,8 +304,9 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         if isinstance(meta, StepAttentionInputs):  # a decode step
             return decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
-            )
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
+                tickets=self._tickets(q, k_cache),
+            )  # fmt: skip
         out = torch.empty_like(q)
         for tokens, attend in (
             (meta.decode_tokens, self._decode_part),
@@ -311,11 +322,10 @@ class TritonBackend(AttentionBackend):
                 out.index_copy_(0, tokens, got)
         return out
 
-    @staticmethod
-    def _decode_part(q, k_cache, v_cache, meta: _MixedStep, scale, window, out):
+    def _decode_part(self, q, k_cache, v_cache, meta: _MixedStep, scale, window, out):
         return decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            window, out=out,
+            window, out=out, tickets=self._tickets(q, k_cache),
         )  # fmt: skip
 
     @staticmethod

@@ -98,7 +98,10 @@ class LLMEngine:
             cfg.block_size,
             ctx,
             backend=make_attention_backend(
-                cfg.attention_backend, self.device, self.model_config.head_dim
+                cfg.attention_backend,
+                self.device,
+                self.model_config.head_dim,
+                fused_merge=cfg.fused_decode_merge,
             ),
             seed=cfg.seed,
             max_num_seqs=cfg.max_num_seqs,

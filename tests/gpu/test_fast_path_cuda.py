@@ -106,6 +106,23 @@ def test_skinny_gemm_gives_cublas_tokens_and_logprobs_float32(tiny_checkpoint, a
     _assert_same(skinny, cublas)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_one_kernel_decode_attention_gives_two_kernels_tokens_float32(tiny_checkpoint, arch):
+    """`fused_decode_merge`: decode attention is one kernel a layer (the last split merges,
+    in and out of graphs, across every bucket the staggered batch visits); float32 tokens
+    and logprobs as with the merge kernel, which never runs."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    path = tiny_checkpoint(arch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fused, fstats = _run(path, "float32", False, params, fused_decode_merge=True)
+    two, _ = _run(path, "float32", False, params)
+    assert fstats["num_graph_steps"] > 10
+    names = [e.key for e in prof.key_averages()]
+    assert any("_split_kernel" in n for n in names), names
+    assert not any("_merge_kernel" in n for n in names), "the merge kernel ran"
+    _assert_same(fused, two)
+
+
 def test_graph_replay_equals_eager_bfloat16(tiny_checkpoint):
     """bf16: the graph pads the batch to its bucket, so GEMMs may round differently; tokens
     agree until a near-tie flips, and their logprobs agree within bf16 noise until then."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.engine.kernels.decode_attention import (
+    DecodeTickets,
     decode_attention_reference,
     decode_attention_triton,
     prefill_attention_reference,
@@ -53,6 +54,45 @@ def test_decode_kernel_matches_reference(dtype, hq, hkv, d, lens, window):
     want = decode_attention_reference(*case, d**-0.5, window)
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [None, 1, 7])  # None: the launch's own (many, at batch 1-3)
+@pytest.mark.parametrize(
+    "hq,hkv,d,lens",
+    [(16, 8, 128, (512,)), (32, 8, 128, (1, 700, 0, 1999, 16, 17, 33)), (14, 2, 64, (90,) * 64)],
+)
+def test_one_kernel_decode_matches_two(dtype, splits, hq, hkv, d, lens):
+    """With tickets the last split to finish merges (one split writes straight out), on
+    the GPU's real concurrency: the two-kernel answer within rounding, and the tickets are
+    all zero after, ready for the next launch."""
+    width = -(-max(lens) // 16)
+    case = _cuda(paged_case(hq, hkv, d, 16, lens, width, len(lens) * width + 3, 5, dtype=dtype))
+    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cuda"))
+    for _ in range(3):  # launches after the first find the tickets zeroed
+        got = decode_attention_triton(*case, d**-0.5, num_splits=splits, tickets=tickets)
+        want = decode_attention_triton(*case, d**-0.5, num_splits=splits)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        assert not tickets.any().item()
+
+
+def test_one_kernel_decode_replays_in_a_cuda_graph():
+    q, kc, vc, tables, lens = _cuda(
+        paged_case(16, 8, 128, 16, (40, 300, 0), 20, 70, 1, torch.bfloat16)
+    )
+    tickets = DecodeTickets().get(3 * 8, torch.device("cuda"))
+    decode_attention_triton(q, kc, vc, tables, lens, 0.1, tickets=tickets)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention_triton(q, kc, vc, tables, lens, 0.1, tickets=tickets)
+    for new_lens in ((1, 2, 3), (319, 0, 77), (300, 300, 300)):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.normal_()
+        graph.replay()
+        want = decode_attention_reference(q, kc, vc, tables, lens, 0.1)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert not tickets.any().item()
 
 
 def test_decode_kernel_replays_in_a_cuda_graph():

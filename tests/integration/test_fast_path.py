@@ -496,3 +496,9 @@ def test_attention_backend_choice_follows_the_head_dim_and_graphs_need_a_captura
     with pytest.raises(ValueError, match="needs a CUDA device"):
         make_attention_backend("triton", cpu, 128)
     assert TritonBackend.supports_graphs and not SdpaBackend.supports_graphs
+    # The one-kernel decode merge is the Triton kernel's: where SDPA runs, asking is an error.
+    assert make_attention_backend("auto", cuda, 128, fused_merge=True).tickets is not None
+    assert make_attention_backend("auto", cuda, 128).tickets is None
+    for device, head_dim in ((cpu, 128), (cuda, 96)):
+        with pytest.raises(ValueError, match=r"fused_decode_merge .* runs on SDPA"):
+            make_attention_backend("auto", device, head_dim, fused_merge=True)

@@ -5,9 +5,13 @@ request × KV head × split of the context, so a single request still spreads ov
 Each program packs the query heads that share its KV head (GQA) into the rows of one
 `tl.dot`, walks its share of the context in tiles of `BLOCK_N` keys gathered across pages
 (a tile may span several pages), and keeps an online softmax; a second small kernel merges
-the splits by their log-sum-exp. Every bound is read from device tensors (each row's length
-decides its own split size), so the launch depends only on shapes and a CUDA graph can
-capture it. Rows with length 0 (graph padding) give zeros.
+the splits by their log-sum-exp. Or, one kernel a layer (`DecodeTickets`,
+`EngineConfig.fused_decode_merge`): each program draws a ticket once its partial is stored,
+and the one that draws its request × KV head's last ticket merges the splits (the
+split-K "last block reduces" pattern); a launch of one split writes its answer directly.
+Every bound is read from device tensors (each row's length decides its own split size), so
+the launch depends only on shapes and a CUDA graph can capture it. Rows with length 0
+(graph padding) give zeros.
 
 Prefill (eager, host metadata at hand): one program per request × tile of 64 queries ×
 query head × split of the keys; a chunk attends its cached context plus itself causally,
@@ -90,6 +94,8 @@ if triton is not None:
         lens_ptr,  # [B]
         part_out_ptr,  # [B, Hq, S, D] float32
         part_lse_ptr,  # [B, Hq, S] float32
+        out_ptr,  # [B, Hq, D]: written here only with MERGE
+        tickets_ptr,  # [B * Hkv] int32, zero between launches: only with MERGE
         scale,
         window,  # 0: none
         stride_qb,
@@ -99,6 +105,8 @@ if triton is not None:
         stride_vslot,
         stride_vh,
         stride_tb,
+        stride_ob,
+        stride_oh,
         num_splits,
         GROUP: tl.constexpr,  # query heads per KV head
         GROUP_PAD: tl.constexpr,  # >= 16, power of two
@@ -106,6 +114,7 @@ if triton is not None:
         PAGE: tl.constexpr,  # block_size
         BLOCK: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no silent TF32
+        MERGE: tl.constexpr,  # the last split to finish merges (no `_merge_kernel` launch)
     ):
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
@@ -157,9 +166,58 @@ if triton is not None:
         # An empty split (past the row's length) leaves lse = -inf and is ignored when merged.
         lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
-        base = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
-        tl.store(part_lse_ptr + base, lse, mask=g_ok)
-        tl.store(part_out_ptr + base[:, None] * D + dd[None, :], o, mask=g_ok[:, None])
+        if MERGE and num_splits == 1:  # the whole context: the answer itself
+            dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dd[None, :]
+            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            rows = b * tl.num_programs(1) * GROUP + heads
+            base = rows * num_splits + split
+            tl.store(part_lse_ptr + base, lse, mask=g_ok)
+            tl.store(part_out_ptr + base[:, None] * D + dd[None, :], o, mask=g_ok[:, None])
+            if MERGE:
+                # Every thread's stores before the ticket; the ticket's release publishes
+                # them, and the program that draws the last one acquires all the splits'.
+                tl.debug_barrier()
+                ticket_ptr = tickets_ptr + b * tl.num_programs(1) + kvh
+                ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+                if ticket == num_splits - 1:
+                    _merge_splits(
+                        part_out_ptr, part_lse_ptr, out_ptr, b, heads, rows, g_ok, num_splits,
+                        stride_ob, stride_oh, D, GROUP_PAD,
+                    )  # fmt: skip
+                    tl.store(ticket_ptr, 0)  # zero again for the next launch (or replay)
+
+    @triton.jit
+    def _merge_splits(
+        part_out_ptr, part_lse_ptr, out_ptr, b, heads, rows, g_ok, num_splits,
+        stride_ob, stride_oh, D: tl.constexpr, GROUP_PAD: tl.constexpr,
+    ):  # fmt: skip
+        """The splits of one KV head's query heads (`rows` of the partials) merged by their
+        log-sum-exp, online over the splits, into `out`. Loads bypass L1 (`.cg`): the other
+        programs' partials are in L2, not in this SM's cache."""
+        dd = tl.arange(0, D)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for sp in range(num_splits):
+            at = rows * num_splits + sp
+            lse = tl.load(part_lse_ptr + at, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(
+                part_out_ptr + at[:, None] * D + dd[None, :],
+                mask=g_ok[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m, lse)
+            alive = m_new > float("-inf")  # else nothing seen yet: keep zeros, no NaN
+            alpha = tl.where(alive, tl.exp(m - m_new), 0.0)
+            w = tl.where(lse > float("-inf"), tl.exp(lse - m_new), 0.0)
+            acc = acc * alpha[:, None] + part * w[:, None]
+            total = total * alpha + w
+            m = m_new
+        o = acc / tl.where(total > 0, total, 1.0)[:, None]
+        dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dd[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
     @triton.jit
     def _merge_kernel(
@@ -201,13 +259,20 @@ def decode_attention_triton(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """With `tickets` (`DecodeTickets.get`), one kernel: the last split of each request ×
+    KV head to finish merges them, and one split writes its answer straight out. Without,
+    a second kernel merges every split."""
     b, hq, d = q.shape
     n_blocks, page, hkv, _ = k_cache.shape
     group = hq // hkv
     if num_splits is None:
         num_splits = num_splits_for(b, hkv, block_tables.shape[1] * page, q.device)
     out = torch.empty_like(q) if out is None else out
+    merge = tickets is not None
+    if merge:
+        assert tickets is not None and tickets.numel() >= b * hkv and tickets.dtype == torch.int32
     part_out = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     k_flat = k_cache.view(n_blocks * page, hkv, d)
@@ -220,6 +285,8 @@ def decode_attention_triton(
         seq_lens,
         part_out,
         part_lse,
+        out,
+        tickets if merge else seq_lens,  # (a pointer the kernel never reads without MERGE)
         scale,
         sliding_window or 0,
         q.stride(0),
@@ -229,6 +296,8 @@ def decode_attention_triton(
         v_flat.stride(0),
         v_flat.stride(1),
         block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         num_splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -236,8 +305,11 @@ def decode_attention_triton(
         PAGE=page,
         BLOCK=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MERGE=merge,
         num_warps=4,
     )
+    if merge:
+        return out
     _merge_kernel[(b, hq)](
         part_out,
         part_lse,
@@ -253,8 +325,9 @@ def decode_attention_triton(
 
 
 def decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None
-):
+    q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, out=None,
+    tickets=None,
+):  # fmt: skip
     """Triton on CUDA (and under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is None or not (q.is_cuda or INTERPRET):
         got = decode_attention_reference(
@@ -262,8 +335,32 @@ def decode_attention(
         )
         return got if out is None else out.copy_(got)
     return decode_attention_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out=out
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out=out,
+        tickets=tickets,
+    )  # fmt: skip
+
+
+class DecodeTickets:
+    """The counters with which the splits of a one-kernel decode launch (`tickets=`) find
+    the last of them to finish: one int32 per request × KV head, zero between launches
+    (the merging program zeroes its own). One set per engine, whose launches run one after
+    another on its stream; two engines must not share one (concurrent launches would
+    draw each other's tickets). Allocated before any graph captures it, since each
+    capture's warm-up run comes first; it may not grow inside a capture."""
+
+    def __init__(self) -> None:
+        self._tickets: torch.Tensor | None = None
+
+    def get(self, count: int, device: torch.device) -> torch.Tensor:
+        t = self._tickets
+        if t is None or t.numel() < count or t.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"decode tickets would grow to {count} inside a CUDA graph capture: "
+                    "run the step eagerly first"
+                )
+            t = self._tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        return t
 
 
 # -- varlen prefill: chunks over prefix-cached context ---------------------------------------

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.decode_attention import (
+    DecodeTickets,
     decode_attention_reference,
     decode_attention_triton,
     prefill_attention_reference,
@@ -138,6 +139,28 @@ def test_interpreted_decode_kernel_matches_reference(hq, hkv, d, page, window, s
     want = decode_attention_reference(*case, 0.1, window)
     got = decode_attention_triton(*case, 0.1, window, num_splits=splits)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@interpreted_only
+@pytest.mark.parametrize(
+    "hq,hkv,d,page,window,splits",
+    [(4, 2, 64, 4, None, 1), (4, 2, 64, 4, None, 3), (8, 1, 64, 8, 5, 2), (2, 2, 64, 4, None, 7)],
+)
+def test_interpreted_one_kernel_decode_merges_like_two(hq, hkv, d, page, window, splits):
+    """With tickets the last split merges (or one split writes straight out): the two-kernel
+    answer, and every ticket is back at zero for the next launch, so a second launch over
+    other lengths (a graph replay) is right too."""
+    lens = (6 * page - 1, 1, 0, 2 * page + 3)
+    case = paged_case(hq=hq, hkv=hkv, d=d, page=page, lens=lens, width=6, blocks=30, seed=d + page)
+    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cpu"))
+    for lens_now in (lens, (0, 5, 2 * page, 6 * page)):
+        case[-1].copy_(torch.tensor(lens_now, dtype=torch.int32))
+        want = decode_attention_triton(*case, 0.1, window, num_splits=splits)
+        got = decode_attention_triton(*case, 0.1, window, num_splits=splits, tickets=tickets)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        ref = decode_attention_reference(*case, 0.1, window)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        assert not tickets.any(), "a ticket was left drawn"
 
 
 @interpreted_only
