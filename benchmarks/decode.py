@@ -17,8 +17,8 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
   (`torch.backends.cuda.preferred_blas_library("cublaslt")` while it is built, its graphs
   captured and run), and its rate over coxswain's: whether cuBLASLt's choice for a
   one-row GEMM (no split-K reduce kernel?) beats cuBLAS's at small batch;
-- coxswain-fm: the same with `EngineConfig.fused_decode_merge` (decode attention in one
-  kernel a layer: the last split merges), and its rate over coxswain's;
+- coxswain-fa: the same with `EngineConfig.fused_decode_attention` (a decode layer's norms,
+  RoPE, cache write, attention and merge in one kernel), and its rate over coxswain's;
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -229,8 +229,8 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
 
 
 # The one-process engines, each its own row: plain; `EngineConfig.skinny_gemm`; cuBLASLt;
-# `EngineConfig.fused_decode_merge`.
-ONE_PROCESS = ("coxswain", "coxswain-skinny", "coxswain-lt", "coxswain-fm")
+# `EngineConfig.fused_decode_attention`.
+ONE_PROCESS = ("coxswain", "coxswain-skinny", "coxswain-lt", "coxswain-fa")
 
 
 @contextlib.contextmanager
@@ -421,14 +421,14 @@ def main(argv: list[str] | None = None) -> None:
     for system in ONE_PROCESS:
         if system not in systems:
             continue
-        if system == "coxswain-fm" and device.type != "cuda":
-            print("coxswain-fm: fused_decode_merge needs the Triton decode kernel (CUDA): skipped")
+        if system == "coxswain-fa" and device.type != "cuda":
+            print("coxswain-fa: fused_decode_attention needs the Triton kernels (CUDA): skipped")
             continue
         t = time.perf_counter()
         config = dataclasses.replace(
             engine_config,
             skinny_gemm=system.endswith("skinny"),
-            fused_decode_merge=system.endswith("-fm"),
+            fused_decode_attention=system.endswith("-fa"),
         )
         with blas_library("cublaslt" if system.endswith("-lt") else None):
             engine = LLMEngine(args.model, config)

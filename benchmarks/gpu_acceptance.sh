@@ -15,7 +15,7 @@
 # Steps (GPUs needed; limit):
 #   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 420 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
-#   decode      decode.py: ceiling, Coxswain, Coxswain + fused_decode_merge; Qwen3-0.6B, Llama-3-8B (1; 240 s)
+#   decode      decode.py: ceiling, Coxswain, Coxswain + fused_decode_attention; Qwen3-0.6B, Llama-3-8B (1; 240 s)
 #   profile     profile_decode.py's kernel table and host stages (plain, and with per-token
 #               capture), and the Llama-3-8B batch-256 step (1; 260 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
@@ -168,7 +168,7 @@ run() {
     tests-nccl)
         step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
-        local d="$one python3 benchmarks/decode.py --systems ceiling,coxswain,coxswain-fm"
+        local d="$one python3 benchmarks/decode.py --systems ceiling,coxswain,coxswain-fa"
         step decode 1 "${ONE_GPU[decode]}" bash -c "$both" decode \
             "$d --shape qwen3-0.6b --batch-sizes 1,32,128" \
             "$d --shape llama3-8b --batch-sizes 1,32,128" ;;

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from services.engine.kernels.decode_attention import (
     DecodeTickets,
     decode_attention,
+    decode_rope_attention,
     prefill_attention,
     prefill_splits_for,
 )
@@ -59,6 +60,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, inputs: StepAttentionInputs) -> Any:
         """Per-step metadata shared by every layer (built once per step)."""
+
+    def attends_raw(self, meta: Any) -> bool:
+        """Whether the layer hands this step's raw q, k and v to `attend_raw` (norms, RoPE
+        and the cache write inside the attention kernel) rather than doing those first."""
+        return False
 
     @abstractmethod
     def forward(
@@ -250,14 +256,32 @@ class TritonBackend(AttentionBackend):
     supports_graphs = True
     reads_kv_from_cache = True
 
-    def __init__(self, fused_merge: bool = False) -> None:
-        # One-kernel decode (`EngineConfig.fused_decode_merge`): this engine's tickets.
-        self.tickets = DecodeTickets() if fused_merge else None
+    def __init__(self, fused_decode: bool = False) -> None:
+        # One-kernel decode attention (`EngineConfig.fused_decode_attention`): this
+        # engine's tickets for the splits' merge.
+        self.tickets = DecodeTickets() if fused_decode else None
 
     def _tickets(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
         if self.tickets is None:
             return None
         return self.tickets.get(q.shape[0] * k_cache.shape[-2], q.device)
+
+    def attends_raw(self, meta: Any) -> bool:
+        return self.tickets is not None and isinstance(meta, StepAttentionInputs)
+
+    def attend_raw(
+        self, q, k, v, cos, sin, positions, kv_cache, meta, scale, sliding_window,
+        q_weight=None, k_weight=None, eps=0.0,
+    ):  # fmt: skip
+        """A decode step's attention from the qkv projection's raw q, k and v, in one
+        kernel: the per-head norms (with weights), RoPE, the K/V cache writes at
+        `meta.slot_mapping`, attention, the merge (`decode_rope_attention`)."""
+        k_cache, v_cache = kv_cache
+        return decode_rope_attention(
+            q, k, v, cos, sin, positions, k_cache, v_cache, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, scale, sliding_window, q_weight, k_weight, eps,
+            tickets=self._tickets(q, k_cache),
+        )  # fmt: skip
 
     def prepare(self, inputs: StepAttentionInputs) -> StepAttentionInputs | _MixedStep:
         if inputs.is_decode:

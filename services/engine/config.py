@@ -99,12 +99,13 @@ class EngineConfig:
     # 1.06x at batch 1 on the Qwen3-0.6B shape but 0.95x at batch 8 and 0.91x on the
     # Llama-3-8B shape, where it reads weights slower than cuBLAS (benchmarks/README.md).
     skinny_gemm: bool = False
-    # CUDA: decode attention in one kernel a layer, not two: the last split of each
-    # request x KV head to finish merges the splits (kernels/decode_attention.py,
-    # `DecodeTickets`). About 30 launches fewer a step on a 28-layer model. Off by default
-    # until it has run on a GPU (tests/gpu/test_fused_kernels_bf16.py) and shown its rate
-    # (benchmarks/decode.py's coxswain-fm row).
-    fused_decode_merge: bool = False
+    # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
+    # RoPE and the K/V cache write happen in the attention kernel's programs, and the last
+    # split of each request x KV head to finish merges the splits
+    # (kernels/decode_attention.py: `decode_rope_attention_triton`, `DecodeTickets`). Two
+    # launches fewer a layer (56 a step on a 28-layer model). Off by default until it has
+    # run on a GPU (tests/gpu) and shown its rate (benchmarks/decode.py's coxswain-fa row).
+    fused_decode_attention: bool = False
     # Pipeline-parallel replicas: overlapped decode steps take turns over this many disjoint
     # parts of the running batch, so each stage computes one part while the next stage
     # computes another (1: every step carries the whole batch, stage after stage). As many

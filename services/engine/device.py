@@ -29,12 +29,12 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 
 
 def make_attention_backend(
-    name: str, device: torch.device, head_dim: int | None = None, fused_merge: bool = False
+    name: str, device: torch.device, head_dim: int | None = None, fused_decode: bool = False
 ) -> AttentionBackend:
     """`name` "auto" picks the Triton kernels on CUDA and SDPA on CPU, and SDPA on CUDA too
     for a head dimension the Triton kernels cannot tile (not a power of two), without CUDA
-    graphs then (SDPA's steps are not capturable). `fused_merge`
-    (`EngineConfig.fused_decode_merge`) needs the Triton kernels: asked for where SDPA
+    graphs then (SDPA's steps are not capturable). `fused_decode`
+    (`EngineConfig.fused_decode_attention`) needs the Triton kernels: asked for where SDPA
     runs, it is an error, not a quiet no-op."""
     tileable = head_dim is None or head_dim & (head_dim - 1) == 0
     if name == "auto":
@@ -53,10 +53,10 @@ def make_attention_backend(
                 f"attention_backend='triton' needs a power-of-two head_dim (its kernels tile "
                 f"a head whole); this model's is {head_dim}: use 'auto' or 'sdpa'"
             )
-        return TritonBackend(fused_merge=fused_merge)
-    if fused_merge:
+        return TritonBackend(fused_decode=fused_decode)
+    if fused_decode:
         raise ValueError(
-            "fused_decode_merge merges the Triton decode kernel's splits; attention here "
-            f"runs on SDPA ({device.type}, head_dim {head_dim}): turn it off"
+            "fused_decode_attention is the Triton decode kernel's; attention here runs on "
+            f"SDPA ({device.type}, head_dim {head_dim}): turn it off"
         )
     return SdpaBackend()

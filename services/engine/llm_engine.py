@@ -101,7 +101,7 @@ class LLMEngine:
                 cfg.attention_backend,
                 self.device,
                 self.model_config.head_dim,
-                fused_merge=cfg.fused_decode_merge,
+                fused_decode=cfg.fused_decode_attention,
             ),
             seed=cfg.seed,
             max_num_seqs=cfg.max_num_seqs,

@@ -107,20 +107,30 @@ def test_skinny_gemm_gives_cublas_tokens_and_logprobs_float32(tiny_checkpoint, a
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_one_kernel_decode_attention_gives_two_kernels_tokens_float32(tiny_checkpoint, arch):
-    """`fused_decode_merge`: decode attention is one kernel a layer (the last split merges,
-    in and out of graphs, across every bucket the staggered batch visits); float32 tokens
-    and logprobs as with the merge kernel, which never runs."""
+def test_one_kernel_decode_attention_gives_three_kernels_tokens_float32(tiny_checkpoint, arch):
+    """`fused_decode_attention`: a decode layer's norms, RoPE, cache write, attention and
+    merge are one kernel (in and out of graphs, across every bucket the staggered batch
+    visits); float32 tokens and logprobs as with the separate kernels. The merge kernel
+    never runs, and the norm-RoPE-cache kernel runs for prefill steps only."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     path = tiny_checkpoint(arch)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fused, fstats = _run(path, "float32", False, params, fused_decode_merge=True)
-    two, _ = _run(path, "float32", False, params)
-    assert fstats["num_graph_steps"] > 10
-    names = [e.key for e in prof.key_averages()]
-    assert any("_split_kernel" in n for n in names), names
-    assert not any("_merge_kernel" in n for n in names), "the merge kernel ran"
-    _assert_same(fused, two)
+    counts = []
+    for fused in (True, False):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            outs, stats = _run(path, "float32", False, params, fused_decode_attention=fused)
+        assert stats["num_graph_steps"] > 10
+        counts.append({e.key: e.count for e in prof.key_averages()})
+        if fused:
+            one_kernel = outs
+        else:
+            _assert_same(one_kernel, outs)
+
+    def launches(i: int, name: str) -> int:
+        return sum(n for k, n in counts[i].items() if name in k)
+
+    assert launches(0, "_split_kernel") > 0 and launches(0, "_merge_kernel") == 0, counts[0]
+    # the norm-RoPE-cache kernel now runs for prefill steps only
+    assert launches(0, "_qk_rope_cache_kernel") < launches(1, "_qk_rope_cache_kernel")
 
 
 def test_graph_replay_equals_eager_bfloat16(tiny_checkpoint):

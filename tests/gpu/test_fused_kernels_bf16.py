@@ -10,6 +10,8 @@ from services.engine.kernels.decode_attention import (
     DecodeTickets,
     decode_attention_reference,
     decode_attention_triton,
+    decode_rope_attention_reference,
+    decode_rope_attention_triton,
     prefill_attention_reference,
     prefill_attention_triton,
 )
@@ -26,7 +28,11 @@ from services.engine.kernels.skinny_gemm import (
     skinny_linear_reference,
     skinny_linear_triton,
 )
-from tests.unit.engine.kernels.test_fused_kernels import paged_case, prefill_case
+from tests.unit.engine.kernels.test_fused_kernels import (
+    paged_case,
+    prefill_case,
+    rope_decode_case,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -75,6 +81,35 @@ def test_one_kernel_decode_matches_two(dtype, splits, hq, hkv, d, lens):
         tol = TOL[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         assert not tickets.any().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_rope_decode_kernel_matches_reference(dtype, norm, splits):
+    """From the raw projection, in one kernel on the GPU: the norms, RoPE and the cache
+    write (by the program whose tiles hold the new position, read back by it at once),
+    then attention and the ticketed merge; against the references' output and cache."""
+    case = _cuda(rope_decode_case(16, 8, 128, 16, (1, 300, 0, 77, 512, 16, 17), 40, 300, 2, dtype))
+    q, k, v, cos, sin, positions, kc, vc, slots, tables, lens = case
+    qw, kw = (torch.rand(128, device="cuda").to(dtype) + 0.5 for _ in "qk")
+    qw, kw = (qw, kw) if norm else (None, None)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = decode_rope_attention_reference(
+        q, k, v, cos, sin, positions, kc, vc, slots, tables, lens, 0.09, None, qw, kw, 1e-6
+    )
+    tickets = DecodeTickets().get(len(lens) * 8, torch.device("cuda"))
+    got = decode_rope_attention_triton(
+        q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.09, None, qw, kw, 1e-6,
+        num_splits=splits, tickets=tickets,
+    )  # fmt: skip
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    live = slots[lens > 0]
+    for mine, theirs in ((kc2, kc), (vc2, vc)):
+        flat, ref = mine.view(-1, 8, 128)[live].float(), theirs.view(-1, 8, 128)[live].float()
+        torch.testing.assert_close(flat, ref, atol=tol, rtol=tol)
+    assert not tickets.any().item()
 
 
 def test_one_kernel_decode_replays_in_a_cuda_graph():

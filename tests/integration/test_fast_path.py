@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
+from services.engine.kernels.steer import INTERPRET
 from services.engine.parallel import SINGLE_PROCESS
 from services.engine.recent_tokens import RecentTokens
 from services.engine.sampling_params import SamplingParams as Params
 from services.engine.scheduler import StepRequest
 from services.engine.sequence import PLACEHOLDER
 from services.engine.step_batch import StepBatch, graph_batch_sizes
+from tests.interpreted import assert_passes_interpreted
 
 PROMPTS = [
     "The harbour master kept a log",
@@ -496,9 +498,67 @@ def test_attention_backend_choice_follows_the_head_dim_and_graphs_need_a_captura
     with pytest.raises(ValueError, match="needs a CUDA device"):
         make_attention_backend("triton", cpu, 128)
     assert TritonBackend.supports_graphs and not SdpaBackend.supports_graphs
-    # The one-kernel decode merge is the Triton kernel's: where SDPA runs, asking is an error.
-    assert make_attention_backend("auto", cuda, 128, fused_merge=True).tickets is not None
+    # The one-kernel decode attention is the Triton kernel's: where SDPA runs, asking is an error.
+    assert make_attention_backend("auto", cuda, 128, fused_decode=True).tickets is not None
     assert make_attention_backend("auto", cuda, 128).tickets is None
     for device, head_dim in ((cpu, 128), (cuda, 96)):
-        with pytest.raises(ValueError, match=r"fused_decode_merge .* runs on SDPA"):
-            make_attention_backend("auto", device, head_dim, fused_merge=True)
+        with pytest.raises(
+            ValueError, match=r"fused_decode_attention is the Triton decode kernel.* runs on SDPA"
+        ):
+            make_attention_backend("auto", device, head_dim, fused_decode=True)
+
+
+interpreted_only = pytest.mark.skipif(
+    not INTERPRET, reason="run under TRITON_INTERPRET=1 by test_one_kernel_decode_interpreted"
+)
+
+
+def test_one_kernel_decode_interpreted():
+    pytest.importorskip("triton")
+    assert_passes_interpreted(__file__, "interpreted_engine")
+
+
+@interpreted_only
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # with and without the per-head norms
+def test_interpreted_engine_decodes_alike_with_one_kernel_attention(
+    tiny_checkpoint, monkeypatch, arch
+):
+    """The engine on the Triton backend (every kernel interpreted on CPU), with and without
+    `fused_decode_attention`: the layer hands its raw q, k, v to the one-kernel decode on
+    decode steps only, and the tokens and float32 logprobs are the separate kernels'."""
+    from services.engine import llm_engine
+    from services.engine.attention import TritonBackend
+
+    calls = {"raw": 0}
+
+    def backend(name, device, head_dim=None, fused_decode=False):
+        made = TritonBackend(fused_decode=fused_decode)
+        attend_raw = made.attend_raw
+
+        def counted(*args, **kwargs):
+            calls["raw"] += 1
+            return attend_raw(*args, **kwargs)
+
+        made.attend_raw = counted
+        return made
+
+    monkeypatch.setattr(llm_engine, "make_attention_backend", backend)
+    path = tiny_checkpoint(arch)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = []
+    for fused in (False, True):
+        config = EngineConfig(device="cpu", max_num_batched_tokens=64, fused_decode_attention=fused)
+        engine = LLMEngine(path, config)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(str(i), prompt, params)
+        totals, done = OutputAccumulator(), {}
+        while engine.has_unfinished_requests():
+            for out in totals.finished(engine.step()):
+                done[out.request_id] = out.outputs[0]
+        outs.append([done[str(i)] for i in range(3)])
+        assert (calls["raw"] > 0) == fused  # decode steps took the one-kernel path
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert [la[t] for t in la] == pytest.approx([lb[t] for t in la], abs=1e-4)

@@ -6,9 +6,14 @@ Each program packs the query heads that share its KV head (GQA) into the rows of
 `tl.dot`, walks its share of the context in tiles of `BLOCK_N` keys gathered across pages
 (a tile may span several pages), and keeps an online softmax; a second small kernel merges
 the splits by their log-sum-exp. Or, one kernel a layer (`DecodeTickets`,
-`EngineConfig.fused_decode_merge`): each program draws a ticket once its partial is stored,
-and the one that draws its request × KV head's last ticket merges the splits (the
+`EngineConfig.fused_decode_attention`): each program draws a ticket once its partial is
+stored, and the one that draws its request × KV head's last ticket merges the splits (the
 split-K "last block reduces" pattern); a launch of one split writes its answer directly.
+That kernel can also start from the qkv projection's raw q, k and v
+(`decode_rope_attention_triton`, TensorRT-LLM's masked-MHA recipe): each program norms and
+rotates its own query heads, and the one whose share of the context holds the new position
+writes the step's k and v to the cache before it reads its keys, so a decode layer's whole
+way from the projection to the attention output is one launch.
 Every bound is read from device tensors (each row's length decides its own split size), so
 the launch depends only on shapes and a CUDA graph can capture it. Rows with length 0
 (graph padding) give zeros.
@@ -25,6 +30,7 @@ same merge kernel combines the splits.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +40,7 @@ try:
 except ImportError:  # CPU-only installs: the reference serves every call
     triton = None
 
+from services.engine.kernels.norm_rope import qk_rope_cache_reference
 from services.engine.kernels.steer import INTERPRET
 
 BLOCK_N = 64  # keys per tile
@@ -87,7 +94,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        q_ptr,  # [B, Hq, D]
+        q_ptr,  # [B, Hq, D]; with ROPE the qkv projection's raw q (any row/head strides)
         k_ptr,  # [N * bs, Hkv, D] (flat slots)
         v_ptr,
         tables_ptr,  # [B, W]
@@ -96,7 +103,16 @@ if triton is not None:
         part_lse_ptr,  # [B, Hq, S] float32
         out_ptr,  # [B, Hq, D]: written here only with MERGE
         tickets_ptr,  # [B * Hkv] int32, zero between launches: only with MERGE
+        new_k_ptr,  # with ROPE: this step's raw k and v [B, Hkv, D] (any row/head strides)
+        new_v_ptr,
+        qw_ptr,  # with ROPE and HAS_NORM: the per-head q and k RMSNorm weights [D]
+        kw_ptr,
+        cos_ptr,  # with ROPE: the [P, D] cos and sin tables, and each row's position
+        sin_ptr,
+        pos_ptr,
+        slot_ptr,  # with ROPE: each row's cache slot for this step's k and v
         scale,
+        eps,
         window,  # 0: none
         stride_qb,
         stride_qh,
@@ -107,6 +123,10 @@ if triton is not None:
         stride_tb,
         stride_ob,
         stride_oh,
+        stride_nkb,
+        stride_nkh,
+        stride_nvb,
+        stride_nvh,
         num_splits,
         GROUP: tl.constexpr,  # query heads per KV head
         GROUP_PAD: tl.constexpr,  # >= 16, power of two
@@ -115,6 +135,8 @@ if triton is not None:
         BLOCK: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no silent TF32
         MERGE: tl.constexpr,  # the last split to finish merges (no `_merge_kernel` launch)
+        ROPE: tl.constexpr,  # q/k norms, RoPE and the K/V cache write here, not before
+        HAS_NORM: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
@@ -130,11 +152,29 @@ if triton is not None:
         dd = tl.arange(0, D)
         heads = kvh * GROUP + g
         g_ok = g < GROUP
-        q = tl.load(
-            q_ptr + b * stride_qb + heads[:, None] * stride_qh + dd[None, :],
-            mask=g_ok[:, None],
-            other=0.0,
-        )
+        q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        if ROPE:
+            # Each program norms and rotates its own heads' q (a few hundred flops); the
+            # one whose tiles hold this step's position writes its k and v to the cache
+            # first, then reads them back with the rest of its tiles.
+            position = tl.load(pos_ptr + b).to(tl.int64)
+            dtype = q_ptr.dtype.element_ty
+            cos = tl.load(cos_ptr + position * D + dd).to(dtype).to(tl.float32)
+            sin = tl.load(sin_ptr + position * D + dd).to(dtype).to(tl.float32)
+            q = _norm_rope(q_at, dd, g_ok[:, None], qw_ptr, eps, cos, sin, D, HAS_NORM)
+            last = (seq_len - 1 - first) // BLOCK
+            if (seq_len > 0) & (t0 <= last) & (last < t1):
+                at = tl.load(slot_ptr + b).to(tl.int64)
+                k_row = new_k_ptr + b * stride_nkb + kvh * stride_nkh
+                k_new = _norm_rope(k_row, dd, dd < D, kw_ptr, eps, cos, sin, D, HAS_NORM)
+                v_new = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + dd)
+                k_dst = k_ptr + at * stride_kslot + kvh * stride_kh + dd
+                tl.store(k_dst, k_new.to(k_ptr.dtype.element_ty))
+                v_dst = v_ptr + at * stride_vslot + kvh * stride_vh + dd
+                tl.store(v_dst, v_new.to(v_ptr.dtype.element_ty))
+                tl.debug_barrier()  # every thread's writes in place before any reads them
+        else:
+            q = tl.load(q_at + dd[None, :], mask=g_ok[:, None], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -186,6 +226,26 @@ if triton is not None:
                         stride_ob, stride_oh, D, GROUP_PAD,
                     )  # fmt: skip
                     tl.store(ticket_ptr, 0)  # zero again for the next launch (or replay)
+
+    @triton.jit
+    def _norm_rope(at, dd, ok, w_ptr, eps, cos, sin, D: tl.constexpr, HAS_NORM: tl.constexpr):
+        """Heads of one token (`at`: a pointer per head, [..., 1], or the one head's; `ok`
+        masks heads), RMSNorm'd with weights (HAS_NORM) and rotate-half rotated by `cos`
+        and `sin` ([D], at the token's position), rounded where
+        `norm_rope.qk_rope_cache_reference` rounds: [..., D] in the input's dtype. The
+        other half of each head comes from a second load, not a shuffle."""
+        dtype = at.dtype.element_ty
+        other = (dd + D // 2) % D  # rotate_half(x)[d] = -x[d + D/2], or x[d - D/2]
+        x = tl.load(at + dd, mask=ok, other=0.0).to(tl.float32)
+        xo = tl.load(at + other, mask=ok, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
+            w, wo = tl.load(w_ptr + dd).to(tl.float32), tl.load(w_ptr + other).to(tl.float32)
+            x = (w * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xo = (wo * (xo * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        sign = tl.where(dd < D // 2, -1.0, 1.0)
+        y = (x * cos).to(dtype).to(tl.float32) + (sign * xo * sin).to(dtype).to(tl.float32)
+        return y.to(dtype)
 
     @triton.jit
     def _merge_splits(
@@ -264,12 +324,80 @@ def decode_attention_triton(
     """With `tickets` (`DecodeTickets.get`), one kernel: the last split of each request ×
     KV head to finish merges them, and one split writes its answer straight out. Without,
     a second kernel merges every split."""
+    return _launch(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits, out,
+        tickets, None,
+    )  # fmt: skip
+
+
+@dataclass
+class _NewTokens:
+    """What the one-kernel decode (`decode_rope_attention_triton`) does before attending:
+    this step's raw k and v, the per-head norm weights (or None), the RoPE tables, each
+    row's position and cache slot."""
+
+    k: torch.Tensor  # [B, Hkv, D]
+    v: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor  # [P, D]
+    sin: torch.Tensor
+    positions: torch.Tensor  # [B]
+    slot_mapping: torch.Tensor  # [B]
+
+
+def decode_rope_attention_reference(
+    q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+    scale, sliding_window=None, q_weight=None, k_weight=None, eps=0.0,
+):  # fmt: skip
+    """A decode step's attention from the qkv projection's raw q, k and v: the q/k norms,
+    RoPE and K/V cache writes (`qk_rope_cache_reference`), then `decode_attention_reference`."""
+    q = qk_rope_cache_reference(
+        q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps
+    )
+    return decode_attention_reference(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window
+    )
+
+
+def decode_rope_attention_triton(
+    q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+    scale, sliding_window=None, q_weight=None, k_weight=None, eps=0.0, num_splits=None,
+    out=None, tickets=None,
+):  # fmt: skip
+    """`decode_rope_attention_reference` in one kernel (with `tickets`; else two, the
+    merge apart): every program norms and rotates its query heads, and the one whose
+    share of the context holds this step's position writes the step's k and v to the
+    cache before reading it. Graph padding rows (length 0) write nothing."""
+    assert q.shape[-1] % 2 == 0 and cos.shape[-1] == q.shape[-1]
+    new = _NewTokens(k, v, q_weight, k_weight, eps, cos, sin, positions, slot_mapping)
+    return _launch(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits, out,
+        tickets, new,
+    )  # fmt: skip
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int | None,
+    out: torch.Tensor | None,
+    tickets: torch.Tensor | None,
+    new: _NewTokens | None,
+) -> torch.Tensor:
     b, hq, d = q.shape
     n_blocks, page, hkv, _ = k_cache.shape
     group = hq // hkv
     if num_splits is None:
         num_splits = num_splits_for(b, hkv, block_tables.shape[1] * page, q.device)
-    out = torch.empty_like(q) if out is None else out
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     merge = tickets is not None
     if merge:
         assert tickets is not None and tickets.numel() >= b * hkv and tickets.dtype == torch.int32
@@ -277,6 +405,9 @@ def decode_attention_triton(
     part_lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     k_flat = k_cache.view(n_blocks * page, hkv, d)
     v_flat = v_cache.view(n_blocks * page, hkv, d)
+    rope = new is not None
+    has_norm = rope and new.q_weight is not None
+    unused = seq_lens  # a pointer for the arguments a variant never reads
     _split_kernel[(b, hkv, num_splits)](
         q,
         k_flat,
@@ -286,8 +417,17 @@ def decode_attention_triton(
         part_out,
         part_lse,
         out,
-        tickets if merge else seq_lens,  # (a pointer the kernel never reads without MERGE)
+        tickets if merge else unused,
+        new.k if rope else unused,
+        new.v if rope else unused,
+        new.q_weight if has_norm else unused,
+        new.k_weight if has_norm else unused,
+        new.cos if rope else unused,
+        new.sin if rope else unused,
+        new.positions if rope else unused,
+        new.slot_mapping if rope else unused,
         scale,
+        new.eps if rope else 0.0,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
@@ -298,6 +438,10 @@ def decode_attention_triton(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        new.k.stride(0) if rope else 0,
+        new.k.stride(1) if rope else 0,
+        new.v.stride(0) if rope else 0,
+        new.v.stride(1) if rope else 0,
         num_splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -306,6 +450,8 @@ def decode_attention_triton(
         BLOCK=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE=merge,
+        ROPE=rope,
+        HAS_NORM=has_norm,
         num_warps=4,
     )
     if merge:
@@ -337,6 +483,24 @@ def decode_attention(
     return decode_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out=out,
         tickets=tickets,
+    )  # fmt: skip
+
+
+def decode_rope_attention(
+    q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+    scale, sliding_window=None, q_weight=None, k_weight=None, eps=0.0, out=None, tickets=None,
+):  # fmt: skip
+    """`decode_rope_attention_triton` on CUDA (and under TRITON_INTERPRET=1), the
+    reference elsewhere."""
+    if triton is None or not (q.is_cuda or INTERPRET):
+        got = decode_rope_attention_reference(
+            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, block_tables,
+            seq_lens, scale, sliding_window, q_weight, k_weight, eps,
+        )  # fmt: skip
+        return got if out is None else out.copy_(got)
+    return decode_rope_attention_triton(
+        q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+        scale, sliding_window, q_weight, k_weight, eps, out=out, tickets=tickets,
     )  # fmt: skip
 
 

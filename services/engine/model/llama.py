@@ -89,16 +89,21 @@ class Attention(nn.Module):
         t = x.shape[0]
         assert self.kv_cache is not None, "the runner must attach a KV cache before forward"
         if self.backend.reads_kv_from_cache:
-            # norms, RoPE and the K/V cache writes in one kernel, then attention from the cache
             q, k, v = self._heads(x)
-            q = qk_rope_cache(
-                q, k, v, self.rotary.cos, self.rotary.sin, positions, *self.kv_cache,
-                meta.slot_mapping,
-                self.q_norm.weight if self.q_norm is not None else None,
-                self.k_norm.weight if self.k_norm is not None else None,
-                self.q_norm.eps if self.q_norm is not None else 0.0,
-            )  # fmt: skip
-            o = self.backend.attend(q, self.kv_cache, meta, self.scale, self.sliding_window)
+            norms = (None, None, 0.0)
+            if self.q_norm is not None:
+                norms = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            cos, sin = self.rotary.cos, self.rotary.sin
+            if self.backend.attends_raw(meta):  # all of it in the attention kernel
+                o = self.backend.attend_raw(
+                    q, k, v, cos, sin, positions, self.kv_cache, meta, self.scale,
+                    self.sliding_window, *norms,
+                )  # fmt: skip
+            else:  # norms, RoPE and the K/V cache writes in one kernel, then attention
+                q = qk_rope_cache(
+                    q, k, v, cos, sin, positions, *self.kv_cache, meta.slot_mapping, *norms
+                )
+                o = self.backend.attend(q, self.kv_cache, meta, self.scale, self.sliding_window)
         else:
             q, k, v = self.project(positions, x)
             o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)

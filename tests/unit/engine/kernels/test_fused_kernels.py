@@ -13,6 +13,8 @@ from services.engine.kernels.decode_attention import (
     DecodeTickets,
     decode_attention_reference,
     decode_attention_triton,
+    decode_rope_attention_reference,
+    decode_rope_attention_triton,
     prefill_attention_reference,
     prefill_attention_triton,
 )
@@ -161,6 +163,70 @@ def test_interpreted_one_kernel_decode_merges_like_two(hq, hkv, d, page, window,
         ref = decode_attention_reference(*case, 0.1, window)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         assert not tickets.any(), "a ticket was left drawn"
+
+
+def rope_decode_case(hq=4, hkv=2, d=64, page=4, lens=(23, 1, 0, 11), width=6, blocks=30, seed=0,
+                     dtype=torch.float32):  # fmt: skip
+    """A decode step before its norms, RoPE and cache writes: raw q, k, v as strided views of
+    one qkv row (as the projection leaves them), cos/sin tables, each row's position (its
+    length - 1) and the slot it writes (a scratch slot no table holds, for a padding row),
+    over `paged_case`'s scrambled cache."""
+    q, k_cache, v_cache, tables, lens_t = paged_case(
+        hq, hkv, d, page, lens, width, blocks, seed, dtype
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max(lens) + 1).float(), inv)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    unused = sorted(set(range(blocks)) - set(tables.flatten().tolist()))
+    positions = (lens_t - 1).clamp(min=0).long()
+    slots = [
+        int(tables[b, p // page]) * page + p % page if n else unused[0] * page
+        for b, (n, p) in enumerate(zip(lens, positions.tolist(), strict=True))
+    ]
+    return q, k, v, cos, sin, positions, k_cache, v_cache, torch.tensor(slots), tables, lens_t
+
+
+@interpreted_only
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize(
+    "hq,hkv,d,page,window,splits,merge",
+    [(4, 2, 64, 4, None, 1, True), (4, 2, 64, 4, None, 3, True), (8, 1, 32, 8, 5, 2, True),
+     (4, 2, 64, 4, None, 7, False), (2, 2, 64, 4, None, None, True)],
+)  # fmt: skip
+def test_interpreted_rope_decode_kernel_matches_reference(
+    hq, hkv, d, page, window, splits, merge, norm
+):
+    """The one-kernel decode from the raw projection: the q/k norms, RoPE and K/V cache
+    writes, then attention, as the two references compute them; the cache holds what
+    `qk_rope_cache_reference` writes (and a padding row writes nothing)."""
+    case = rope_decode_case(hq, hkv, d, page, seed=d + page)
+    q, k, v, cos, sin, positions, kc, vc, slots, tables, lens = case
+    g = torch.Generator().manual_seed(3)
+    qw, kw = (
+        (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5)
+        if norm
+        else (None, None)
+    )
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = decode_rope_attention_reference(
+        q, k, v, cos, sin, positions, kc, vc, slots, tables, lens, 0.1, window, qw, kw, 1e-6
+    )
+    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cpu")) if merge else None
+    got = decode_rope_attention_triton(
+        q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.1, window, qw, kw, 1e-6,
+        num_splits=splits, tickets=tickets,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    scratch = slots[lens == 0]
+    keep = torch.ones(kc.numel() // (hkv * d), dtype=torch.bool)
+    keep[scratch] = False  # the reference writes padding rows to the scratch slot; we do not
+    for mine, theirs in ((kc2, kc), (vc2, vc)):
+        torch.testing.assert_close(mine.view(-1, hkv, d)[keep], theirs.view(-1, hkv, d)[keep])
+    assert tickets is None or not tickets.any()
 
 
 @interpreted_only
