@@ -105,6 +105,8 @@ class EngineConfig:
     # (kernels/decode_attention.py: `decode_rope_attention_triton`, `DecodeTickets`). Two
     # launches fewer a layer (56 a step on a 28-layer model). Off by default until it has
     # run on a GPU (tests/gpu) and shown its rate (benchmarks/decode.py's coxswain-fa row).
+    # Where attention runs on SDPA (CPU, or a head dim that is not a power of two) asking
+    # for it is an error at start, not a setting quietly ignored.
     fused_decode_attention: bool = False
     # Pipeline-parallel replicas: overlapped decode steps take turns over this many disjoint
     # parts of the running batch, so each stage computes one part while the next stage

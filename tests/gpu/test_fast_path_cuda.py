@@ -133,21 +133,38 @@ def test_one_kernel_decode_attention_gives_three_kernels_tokens_float32(tiny_che
     assert launches(0, "_qk_rope_cache_kernel") < launches(1, "_qk_rope_cache_kernel")
 
 
+def _assert_agree_bf16(got: list, want: list, tokens: int) -> None:
+    """bf16 samples of two paths that round differently: tokens agree until a near-tie
+    flips, their logprobs within bf16 noise until then, and most tokens are compared."""
+    agreed = 0
+    for g, w in zip(got, want, strict=True):
+        for tg, tw, dg, dw in zip(g.token_ids, w.token_ids, g.logprobs, w.logprobs, strict=True):
+            if tg != tw:
+                break
+            assert dg[tg] == pytest.approx(dw[tw], abs=0.05)
+            agreed += 1
+    assert agreed >= 0.8 * len(got) * tokens
+
+
 def test_graph_replay_equals_eager_bfloat16(tiny_checkpoint):
-    """bf16: the graph pads the batch to its bucket, so GEMMs may round differently; tokens
-    agree until a near-tie flips, and their logprobs agree within bf16 noise until then."""
+    """bf16: the graph pads the batch to its bucket, so GEMMs may round differently."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     path = tiny_checkpoint("qwen3")
     graph, _ = _run(path, "bfloat16", False, params)
     eager, _ = _run(path, "bfloat16", True, params)
-    agreed = 0
-    for g, e in zip(graph, eager, strict=True):
-        for tg, te, dg, de in zip(g.token_ids, e.token_ids, g.logprobs, e.logprobs, strict=True):
-            if tg != te:
-                break
-            assert dg[tg] == pytest.approx(de[te], abs=0.05)
-            agreed += 1
-    assert agreed >= 0.8 * len(graph) * 24
+    _assert_agree_bf16(graph, eager, 24)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_one_kernel_decode_attention_bfloat16(tiny_checkpoint, arch):
+    """`fused_decode_attention` in bf16, graphs on: the separate kernels' tokens and
+    logprobs within bf16 noise (the merge sums the splits in another order)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    path = tiny_checkpoint(arch)
+    fused, stats = _run(path, "bfloat16", False, params, fused_decode_attention=True)
+    three, _ = _run(path, "bfloat16", False, params)
+    assert stats["num_graph_steps"] > 10
+    _assert_agree_bf16(fused, three, 24)
 
 
 def test_decode_steps_make_no_host_sync(tiny_checkpoint):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.engine.kernels.decode_attention import (
+    MAX_SPLITS,
     DecodeTickets,
     decode_attention_reference,
     decode_attention_triton,
@@ -85,8 +86,8 @@ def test_one_kernel_decode_matches_two(dtype, splits, hq, hkv, d, lens):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("splits", [None, 1, 5])
-def test_rope_decode_kernel_matches_reference(dtype, norm, splits):
+@pytest.mark.parametrize("splits,window", [(None, None), (1, None), (5, None), (None, 100)])
+def test_rope_decode_kernel_matches_reference(dtype, norm, splits, window):
     """From the raw projection, in one kernel on the GPU: the norms, RoPE and the cache
     write (by the program whose tiles hold the new position, read back by it at once),
     then attention and the ticketed merge; against the references' output and cache."""
@@ -96,12 +97,12 @@ def test_rope_decode_kernel_matches_reference(dtype, norm, splits):
     qw, kw = (qw, kw) if norm else (None, None)
     kc2, vc2 = kc.clone(), vc.clone()
     want = decode_rope_attention_reference(
-        q, k, v, cos, sin, positions, kc, vc, slots, tables, lens, 0.09, None, qw, kw, 1e-6
+        q, k, v, cos, sin, positions, kc, vc, slots, tables, lens, 0.09, window, qw, kw, 1e-6
     )
     tickets = DecodeTickets().get(len(lens) * 8, torch.device("cuda"))
     got = decode_rope_attention_triton(
-        q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.09, None, qw, kw, 1e-6,
-        num_splits=splits, tickets=tickets,
+        q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.09, window, qw, kw,
+        1e-6, num_splits=splits, tickets=tickets,
     )  # fmt: skip
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -110,6 +111,36 @@ def test_rope_decode_kernel_matches_reference(dtype, norm, splits):
         flat, ref = mine.view(-1, 8, 128)[live].float(), theirs.view(-1, 8, 128)[live].float()
         torch.testing.assert_close(flat, ref, atol=tol, rtol=tol)
     assert not tickets.any().item()
+
+
+def test_one_kernel_decode_survives_many_racing_launches():
+    """Batch 1 at the most splits (64 programs a KV head racing for the last ticket), many
+    launches back to back with no sync between: an ordering bug in the ticket's publish
+    and acquire would show as a wrong merge or a ticket left drawn."""
+    q, kc, vc, tables, lens = _cuda(
+        paged_case(16, 8, 128, 16, (4000,), 256, 260, 9, torch.bfloat16)
+    )
+    tickets = DecodeTickets().get(8, torch.device("cuda"))
+    want = decode_attention_triton(q, kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS)
+    outs = [
+        decode_attention_triton(
+            q, kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS, tickets=tickets
+        )
+        for _ in range(300)
+    ]
+    for got in outs:
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert not tickets.any().item()
+
+
+def test_decode_tickets_cannot_grow_inside_a_capture():
+    tickets = DecodeTickets()
+    tickets.get(8, torch.device("cuda"))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"), torch.cuda.graph(graph):
+        tickets.get(10_000, torch.device("cuda"))
+    kept = tickets.get(8, torch.device("cuda"))  # and within its size, it is the same buffer
+    assert kept.data_ptr() == tickets.get(1000, torch.device("cuda")).data_ptr()
 
 
 def test_one_kernel_decode_replays_in_a_cuda_graph():

@@ -524,22 +524,27 @@ def test_interpreted_engine_decodes_alike_with_one_kernel_attention(
     tiny_checkpoint, monkeypatch, arch
 ):
     """The engine on the Triton backend (every kernel interpreted on CPU), with and without
-    `fused_decode_attention`: the layer hands its raw q, k, v to the one-kernel decode on
-    decode steps only, and the tokens and float32 logprobs are the separate kernels'."""
+    `fused_decode_attention`, requests arriving a step apart: the layer hands its raw q, k,
+    v to the one-kernel decode on decode steps, mixed steps' decode rows merge by ticket,
+    and the tokens and float32 logprobs are the separate kernels'."""
     from services.engine import llm_engine
     from services.engine.attention import TritonBackend
 
-    calls = {"raw": 0}
+    calls = {"raw": 0, "mixed": 0}
 
     def backend(name, device, head_dim=None, fused_decode=False):
         made = TritonBackend(fused_decode=fused_decode)
-        attend_raw = made.attend_raw
+        attend_raw, decode_part = made.attend_raw, made._decode_part
 
-        def counted(*args, **kwargs):
+        def raw(*args, **kwargs):
             calls["raw"] += 1
             return attend_raw(*args, **kwargs)
 
-        made.attend_raw = counted
+        def mixed(*args, **kwargs):  # a mixed step's decode rows
+            calls["mixed"] += made.tickets is not None
+            return decode_part(*args, **kwargs)
+
+        made.attend_raw, made._decode_part = raw, mixed
         return made
 
     monkeypatch.setattr(llm_engine, "make_attention_backend", backend)
@@ -549,14 +554,17 @@ def test_interpreted_engine_decodes_alike_with_one_kernel_attention(
     for fused in (False, True):
         config = EngineConfig(device="cpu", max_num_batched_tokens=64, fused_decode_attention=fused)
         engine = LLMEngine(path, config)
-        for i, prompt in enumerate(PROMPTS[:3]):
-            engine.add_request(str(i), prompt, params)
+        pending = list(enumerate(PROMPTS[:4]))
         totals, done = OutputAccumulator(), {}
-        while engine.has_unfinished_requests():
+        while pending or engine.has_unfinished_requests():
+            if pending:  # one arrives each step: its prefill beside the others' decodes
+                i, prompt = pending.pop(0)
+                engine.add_request(str(i), prompt, params)
             for out in totals.finished(engine.step()):
                 done[out.request_id] = out.outputs[0]
-        outs.append([done[str(i)] for i in range(3)])
-        assert (calls["raw"] > 0) == fused  # decode steps took the one-kernel path
+        outs.append([done[str(i)] for i in range(4)])
+        # decode steps took the one-kernel path, mixed steps' decode rows the tickets
+        assert (calls["raw"] > 0) == (calls["mixed"] > 0) == fused
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):

@@ -135,6 +135,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no silent TF32
         MERGE: tl.constexpr,  # the last split to finish merges (no `_merge_kernel` launch)
+        SPLITS_PAD: tl.constexpr,  # with MERGE: num_splits to a power of two
         ROPE: tl.constexpr,  # q/k norms, RoPE and the K/V cache write here, not before
         HAS_NORM: tl.constexpr,
     ):
@@ -222,8 +223,8 @@ if triton is not None:
                 ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
                 if ticket == num_splits - 1:
                     _merge_splits(
-                        part_out_ptr, part_lse_ptr, out_ptr, b, heads, rows, g_ok, num_splits,
-                        stride_ob, stride_oh, D, GROUP_PAD,
+                        part_out_ptr, part_lse_ptr, out_ptr, b, kvh, num_splits, stride_ob,
+                        stride_oh, GROUP, D, SPLITS_PAD,
                     )  # fmt: skip
                     tl.store(ticket_ptr, 0)  # zero again for the next launch (or replay)
 
@@ -249,35 +250,37 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(
-        part_out_ptr, part_lse_ptr, out_ptr, b, heads, rows, g_ok, num_splits,
-        stride_ob, stride_oh, D: tl.constexpr, GROUP_PAD: tl.constexpr,
+        part_out_ptr, part_lse_ptr, out_ptr, b, kvh, num_splits, stride_ob, stride_oh,
+        GROUP: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ):  # fmt: skip
-        """The splits of one KV head's query heads (`rows` of the partials) merged by their
-        log-sum-exp, online over the splits, into `out`. Loads bypass L1 (`.cg`): the other
-        programs' partials are in L2, not in this SM's cache."""
+        """The splits of one KV head's query heads merged by their log-sum-exp into `out`,
+        as `_merge_kernel` merges them: each head's splits read as one tile (the heads'
+        loads independent of each other). Loads bypass L1 (`.cg`): the other programs'
+        partials are in L2, not in this SM's cache."""
+        sp = tl.arange(0, SPLITS_PAD)
+        ok = sp < num_splits
         dd = tl.arange(0, D)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for sp in range(num_splits):
-            at = rows * num_splits + sp
-            lse = tl.load(part_lse_ptr + at, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(
-                part_out_ptr + at[:, None] * D + dd[None, :],
-                mask=g_ok[:, None],
+        for g in tl.static_range(GROUP):
+            h = kvh * GROUP + g
+            row = b * tl.num_programs(1) * GROUP + h
+            lse = tl.load(
+                part_lse_ptr + row * num_splits + sp,
+                mask=ok,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            top = tl.max(lse, 0)
+            w = tl.where(ok & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+            total = tl.sum(w, 0)
+            parts = tl.load(
+                part_out_ptr + (row * num_splits + sp)[:, None] * D + dd[None, :],
+                mask=ok[:, None],
                 other=0.0,
                 cache_modifier=".cg",
             )
-            m_new = tl.maximum(m, lse)
-            alive = m_new > float("-inf")  # else nothing seen yet: keep zeros, no NaN
-            alpha = tl.where(alive, tl.exp(m - m_new), 0.0)
-            w = tl.where(lse > float("-inf"), tl.exp(lse - m_new), 0.0)
-            acc = acc * alpha[:, None] + part * w[:, None]
-            total = total * alpha + w
-            m = m_new
-        o = acc / tl.where(total > 0, total, 1.0)[:, None]
-        dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dd[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+            o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+            dst = out_ptr + b * stride_ob + h * stride_oh + dd
+            tl.store(dst, o.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _merge_kernel(
@@ -371,6 +374,7 @@ def decode_rope_attention_triton(
     share of the context holds this step's position writes the step's k and v to the
     cache before reading it. Graph padding rows (length 0) write nothing."""
     assert q.shape[-1] % 2 == 0 and cos.shape[-1] == q.shape[-1]
+    assert cos.is_contiguous() and sin.is_contiguous(), "the kernel reads rows at position * D"
     new = _NewTokens(k, v, q_weight, k_weight, eps, cos, sin, positions, slot_mapping)
     return _launch(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits, out,
@@ -399,8 +403,7 @@ def _launch(
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     merge = tickets is not None
-    if merge:
-        assert tickets is not None and tickets.numel() >= b * hkv and tickets.dtype == torch.int32
+    assert not merge or (tickets.numel() >= b * hkv and tickets.dtype == torch.int32)
     part_out = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     k_flat = k_cache.view(n_blocks * page, hkv, d)
@@ -450,6 +453,7 @@ def _launch(
         BLOCK=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE=merge,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         ROPE=rope,
         HAS_NORM=has_norm,
         num_warps=4,
@@ -509,11 +513,17 @@ class DecodeTickets:
     the last of them to finish: one int32 per request × KV head, zero between launches
     (the merging program zeroes its own). One set per engine, whose launches run one after
     another on its stream; two engines must not share one (concurrent launches would
-    draw each other's tickets). Allocated before any graph captures it, since each
-    capture's warm-up run comes first; it may not grow inside a capture."""
+    draw each other's tickets).
+
+    The buffer exists before any graph captures it (each capture's warm-up run comes first,
+    the largest bucket first, so later buckets find it big enough), and it may not grow
+    inside a capture. Should an eager step ever need more, the new buffer is added and the
+    old one kept: a graph holds the old one's address, and its launches must keep finding
+    live, zeroed counters there."""
 
     def __init__(self) -> None:
         self._tickets: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []  # earlier buffers, which graphs may read
 
     def get(self, count: int, device: torch.device) -> torch.Tensor:
         t = self._tickets
@@ -523,6 +533,8 @@ class DecodeTickets:
                     f"decode tickets would grow to {count} inside a CUDA graph capture: "
                     "run the step eagerly first"
                 )
+            if t is not None:
+                self._retired.append(t)
             t = self._tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         return t
 

@@ -230,6 +230,34 @@ def test_interpreted_rope_decode_kernel_matches_reference(
 
 
 @interpreted_only
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_interpreted_rope_decode_kernel_rounds_as_the_separate_kernels(norm, splits):
+    """In float16 (which the interpreter rounds as the GPU does) the one kernel writes the
+    cache the reference writes, bit for bit, and attends to exactly what the norm-RoPE-cache
+    kernel and the two-kernel decode give: it rounds where they round."""
+    dtype, d, hkv = torch.float16, 64, 2
+    case = rope_decode_case(4, hkv, d, 4, seed=7, dtype=dtype)
+    q, k, v, cos, sin, positions, kc, vc, slots, tables, lens = case
+    g = torch.Generator().manual_seed(3)
+    qw, kw = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in "qk")
+    qw, kw = (qw, kw) if norm else (None, None)
+    kc2, vc2, kc3, vc3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    qk_rope_cache_reference(q, k, v, cos, sin, positions, kc, vc, slots, qw, kw, 1e-6)
+    rotated = qk_rope_cache_triton(q, k, v, cos, sin, positions, kc3, vc3, slots, qw, kw, 1e-6)
+    want = decode_attention_triton(rotated, kc3, vc3, tables, lens, 0.1, num_splits=splits)
+    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cpu"))
+    got = decode_rope_attention_triton(
+        q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.1, None, qw, kw, 1e-6,
+        num_splits=splits, tickets=tickets,
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    live = slots[lens > 0]
+    for mine, theirs in ((kc2, kc), (vc2, vc)):
+        assert torch.equal(mine.view(-1, hkv, d)[live], theirs.view(-1, hkv, d)[live])
+
+
+@interpreted_only
 @pytest.mark.parametrize(
     "hq,hkv,d,page,window", [(4, 2, 64, 4, None), (2, 2, 128, 16, None), (4, 1, 64, 8, 5)]
 )
