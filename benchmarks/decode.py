@@ -11,14 +11,15 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
 - hf: transformers `generate` (greedy, static batches), decode rate = the extra time of
   `--steps` more new tokens;
 - coxswain: `LLMEngine.step()` after every request has prefilled;
-- coxswain-skinny: the same with `EngineConfig.skinny_gemm` (CUDA: the decoder Linears of
-  steps of at most 16 tokens on `kernels/skinny_gemm.py`), and its rate over coxswain's;
-- coxswain-lt: the same engine with PyTorch's GEMMs on cuBLASLt
-  (`torch.backends.cuda.preferred_blas_library("cublaslt")` while it is built, its graphs
-  captured and run), and its rate over coxswain's: whether cuBLASLt's choice for a
-  one-row GEMM (no split-K reduce kernel?) beats cuBLAS's at small batch;
-- coxswain-fa: the same with `EngineConfig.fused_decode_attention` (a decode layer's norms,
-  RoPE, cache write, attention and merge in one kernel), and its rate over coxswain's;
+- coxswain-OPTS: the same engine with options, `+`-joined (`coxswain-fa+skinny`), and its
+  rate over coxswain's:
+  - skinny: `EngineConfig.skinny_gemm` (CUDA: the decoder Linears of steps of at most 16
+    tokens on `kernels/skinny_gemm.py`);
+  - lt: PyTorch's GEMMs on cuBLASLt (`torch.backends.cuda.preferred_blas_library
+    ("cublaslt")` while it is built, its graphs captured and run): whether cuBLASLt's
+    choice for a one-row GEMM (no split-K reduce kernel?) beats cuBLAS's at small batch;
+  - fa: `EngineConfig.fused_decode_attention` (a decode layer's norms, RoPE, cache write,
+    attention and merge in one kernel);
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -228,9 +229,22 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
     }
 
 
-# The one-process engines, each its own row: plain; `EngineConfig.skinny_gemm`; cuBLASLt;
-# `EngineConfig.fused_decode_attention`.
-ONE_PROCESS = ("coxswain", "coxswain-skinny", "coxswain-lt", "coxswain-fa")
+# The one-process engine's options (`coxswain-OPTS`, `+`-joined): `EngineConfig.skinny_gemm`,
+# cuBLASLt, `EngineConfig.fused_decode_attention`.
+ENGINE_OPTIONS = ("skinny", "lt", "fa")
+
+
+def engine_options(system: str) -> set[str] | None:
+    """The options of a one-process engine row (`coxswain`: none), or None for any other
+    system; an option we do not know is an error, not a plain engine under a new name."""
+    if system == "coxswain":
+        return set()
+    if not system.startswith("coxswain-"):
+        return None
+    options = set(system.removeprefix("coxswain-").split("+"))
+    if unknown := options - set(ENGINE_OPTIONS):
+        raise SystemExit(f"{system}: unknown options {sorted(unknown)} (known: {ENGINE_OPTIONS})")
+    return options
 
 
 @contextlib.contextmanager
@@ -365,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [int(b) for b in args.batch_sizes.split(",")]
     systems = [s for s in args.systems.split(",") if s not in ("", "none")]
+    for s in systems:  # before a checkpoint is written: a typo costs nothing
+        if s not in ("ceiling", "hf") and engine_options(s) is None:
+            raise SystemExit(f"unknown system {s!r}: ceiling, hf, coxswain or coxswain-OPTS")
     max_len = args.context + args.steps + 64
     tmp = tempfile.TemporaryDirectory()
     label = str(args.model or args.shape)
@@ -418,19 +435,20 @@ def main(argv: list[str] | None = None) -> None:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.6,
     )
-    for system in ONE_PROCESS:
-        if system not in systems:
+    for system in list(systems):
+        options = engine_options(system)
+        if options is None:
             continue
-        if system == "coxswain-fa" and device.type != "cuda":
-            print("coxswain-fa: fused_decode_attention needs the Triton kernels (CUDA): skipped")
+        if "fa" in options and device.type != "cuda":
+            print(f"{system}: fused_decode_attention needs the Triton kernels (CUDA): skipped")
             continue
         t = time.perf_counter()
         config = dataclasses.replace(
             engine_config,
-            skinny_gemm=system.endswith("skinny"),
-            fused_decode_attention=system.endswith("-fa"),
+            skinny_gemm="skinny" in options,
+            fused_decode_attention="fa" in options,
         )
-        with blas_library("cublaslt" if system.endswith("-lt") else None):
+        with blas_library("cublaslt" if "lt" in options else None):
             engine = LLMEngine(args.model, config)
             print(f"{system} engine ready in {time.perf_counter() - t:.1f} s (graphs captured)")
             for b in batches:
@@ -505,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
         if one and many:
             ratios = ", ".join(f"batch {b} {many[b] / one[b]:.2f}×" for b in batches)
             print(f"{name} ÷ one process: {ratios}")
-    for name in ONE_PROCESS[1:]:
+    for name in [s for s in systems if engine_options(s)]:
         other = results.get(name, {})
         if one and other:
             ratios = ", ".join(f"batch {b} {other[b] / one[b]:.2f}×" for b in batches)
