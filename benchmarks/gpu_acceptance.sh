@@ -15,8 +15,8 @@
 # Steps (GPUs needed; limit):
 #   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 420 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
-#   decode      decode.py: ceiling, Coxswain, and with fused_decode_attention; Qwen3-0.6B (also
-#               with skinny_gemm beside it) and Llama-3-8B (1; 300 s)
+#   decode      decode.py: ceiling, Coxswain, with fused_decode_attention, and with it and
+#               skinny_gemm; Qwen3-0.6B and Llama-3-8B, batch 1/8/32/128 (1; 360 s)
 #   profile     profile_decode.py's kernel table and host stages (plain, and with per-token
 #               capture), and the Llama-3-8B batch-256 step (1; 260 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
@@ -65,7 +65,7 @@ failed=0
 interrupted=0
 
 # The one-GPU steps and their limits (`run` reads them here), for LANES.
-declare -A ONE_GPU=([tests]=420 [decode]=300 [profile]=260 [steering]=240 [capture]=360)
+declare -A ONE_GPU=([tests]=420 [decode]=360 [profile]=260 [steering]=240 [capture]=360)
 
 # lanes: run the one-GPU steps of `steps` in a lane a GPU, and leave the rest in `steps`.
 # Lane N (OUT/gpuN) runs on the Nth GPU this process sees (its id in CUDA_VISIBLE_DEVICES).
@@ -169,10 +169,10 @@ run() {
     tests-nccl)
         step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
-        local d="$one python3 benchmarks/decode.py --systems ceiling,coxswain,coxswain-fa"
+        local d="$one python3 benchmarks/decode.py --batch-sizes 1,8,32,128"
+        d+=" --systems ceiling,coxswain,coxswain-fa,coxswain-fa+skinny"
         step decode 1 "${ONE_GPU[decode]}" bash -c "$both" decode \
-            "$d,coxswain-fa+skinny --shape qwen3-0.6b --batch-sizes 1,8,32,128" \
-            "$d --shape llama3-8b --batch-sizes 1,32,128" ;;
+            "$d --shape qwen3-0.6b" "$d --shape llama3-8b" ;;
     profile)
         step profile 1 "${ONE_GPU[profile]}" bash -c "$both" profile \
             "$one python3 benchmarks/profile_decode.py --batch-sizes 1,32,128" \

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.decode_attention import (
-    DecodeTickets,
     decode_attention,
     decode_rope_attention,
     prefill_attention,
     prefill_splits_for,
 )
+from services.engine.kernels.tickets import Tickets
 
 
 @dataclass
@@ -259,7 +259,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self, fused_decode: bool = False) -> None:
         # One-kernel decode attention (`EngineConfig.fused_decode_attention`): this
         # engine's tickets for the splits' merge.
-        self.tickets = DecodeTickets() if fused_decode else None
+        self.tickets = Tickets() if fused_decode else None
 
     def _tickets(self, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
         if self.tickets is None:

@@ -97,12 +97,14 @@ class EngineConfig:
     # activation inside the gate-up one (kernels/skinny_gemm.py): fewer launches where a
     # small model's batch-1 step is bound by them. Off by default: on one H200 it gave
     # 1.06x at batch 1 on the Qwen3-0.6B shape but 0.95x at batch 8 and 0.91x on the
-    # Llama-3-8B shape, where it reads weights slower than cuBLAS (benchmarks/README.md).
+    # Llama-3-8B shape, where it read weights slower than cuBLAS (benchmarks/README.md).
+    # Since then it also splits K over the launch (the last program of a column block sums
+    # the partials: no reduce kernel), to keep more loads in flight; not yet measured.
     skinny_gemm: bool = False
     # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
     # RoPE and the K/V cache write happen in the attention kernel's programs, and the last
     # split of each request x KV head to finish merges the splits
-    # (kernels/decode_attention.py: `decode_rope_attention_triton`, `DecodeTickets`). Two
+    # (kernels/decode_attention.py: `decode_rope_attention_triton`; kernels/tickets.py). Two
     # launches fewer a layer (56 a step on a 28-layer model). Off by default until it has
     # run on a GPU (tests/gpu) and shown its rate (benchmarks/decode.py's coxswain-fa row).
     # Where attention runs on SDPA (CPU, or a head dim that is not a power of two) asking

@@ -8,7 +8,6 @@ import torch
 
 from services.engine.kernels.decode_attention import (
     MAX_SPLITS,
-    DecodeTickets,
     decode_attention_reference,
     decode_attention_triton,
     decode_rope_attention_reference,
@@ -29,6 +28,7 @@ from services.engine.kernels.skinny_gemm import (
     skinny_linear_reference,
     skinny_linear_triton,
 )
+from services.engine.kernels.tickets import Tickets
 from tests.unit.engine.kernels.test_fused_kernels import (
     paged_case,
     prefill_case,
@@ -75,7 +75,7 @@ def test_one_kernel_decode_matches_two(dtype, splits, hq, hkv, d, lens):
     all zero after, ready for the next launch."""
     width = -(-max(lens) // 16)
     case = _cuda(paged_case(hq, hkv, d, 16, lens, width, len(lens) * width + 3, 5, dtype=dtype))
-    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cuda"))
+    tickets = Tickets().get(len(lens) * hkv, torch.device("cuda"))
     for _ in range(3):  # launches after the first find the tickets zeroed
         got = decode_attention_triton(*case, d**-0.5, num_splits=splits, tickets=tickets)
         want = decode_attention_triton(*case, d**-0.5, num_splits=splits)
@@ -99,7 +99,7 @@ def test_rope_decode_kernel_matches_reference(dtype, norm, splits, window):
     want = decode_rope_attention_reference(
         q, k, v, cos, sin, positions, kc, vc, slots, tables, lens, 0.09, window, qw, kw, 1e-6
     )
-    tickets = DecodeTickets().get(len(lens) * 8, torch.device("cuda"))
+    tickets = Tickets().get(len(lens) * 8, torch.device("cuda"))
     got = decode_rope_attention_triton(
         q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.09, window, qw, kw,
         1e-6, num_splits=splits, tickets=tickets,
@@ -120,7 +120,7 @@ def test_one_kernel_decode_survives_many_racing_launches():
     q, kc, vc, tables, lens = _cuda(
         paged_case(16, 8, 128, 16, (4000,), 256, 260, 9, torch.bfloat16)
     )
-    tickets = DecodeTickets().get(8, torch.device("cuda"))
+    tickets = Tickets().get(8, torch.device("cuda"))
     want = decode_attention_triton(q, kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS)
     outs = [
         decode_attention_triton(
@@ -134,7 +134,7 @@ def test_one_kernel_decode_survives_many_racing_launches():
 
 
 def test_decode_tickets_cannot_grow_inside_a_capture():
-    tickets = DecodeTickets()
+    tickets = Tickets()
     tickets.get(8, torch.device("cuda"))
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture"), torch.cuda.graph(graph):
@@ -147,7 +147,7 @@ def test_one_kernel_decode_replays_in_a_cuda_graph():
     q, kc, vc, tables, lens = _cuda(
         paged_case(16, 8, 128, 16, (40, 300, 0), 20, 70, 1, torch.bfloat16)
     )
-    tickets = DecodeTickets().get(3 * 8, torch.device("cuda"))
+    tickets = Tickets().get(3 * 8, torch.device("cuda"))
     decode_attention_triton(q, kc, vc, tables, lens, 0.1, tickets=tickets)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -300,27 +300,49 @@ def test_silu_mul_matches_reference(dtype, shape):
         (MAX_ROWS, 3072, 1024, False, False),  # its down projection, a full tile of rows
         (5, 896, 2 * 4864, True, True),  # ragged rows, a bias on both halves (Qwen2 style)
         (3, 4096, 2 * 14336, True, False),  # Llama-3-8B's gate-up
+        (1, 2048, 1024, False, False),  # Qwen3-0.6B's o_proj: 64 column blocks, split 8
+        (1, 14336, 4096, False, False),  # Llama-3-8B's down at batch 1
     ],
 )
-def test_skinny_linear_matches_reference(dtype, m, k, n, gated, bias):
+@pytest.mark.parametrize("split", [False, True])
+def test_skinny_linear_matches_reference(dtype, m, k, n, gated, bias, split):
+    """One program down all of K, or (with tickets) K split to fill the GPU, the last
+    program of each column block summing the partials."""
     g = torch.Generator(device="cuda").manual_seed(m + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
-    got = skinny_linear_triton(x, w, b, gated)
+    tickets = Tickets() if split else None
+    got = skinny_linear_triton(x, w, b, gated, tickets)
     want = skinny_linear_reference(x, w, b, gated)
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert tickets is None or not tickets.get(1, x.device).any().item()
 
 
-def test_skinny_linear_replays_in_a_cuda_graph():
-    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2 * 256, 512, device="cuda", dtype=torch.bfloat16) / 512**0.5
-    skinny_linear_triton(x, w, gated=True)  # compile outside the capture
+def test_split_skinny_linear_survives_many_racing_launches():
+    """Sixteen splits a column block racing for the last ticket, 300 launches back to back:
+    the same sum every time (its order is fixed), and no ticket left drawn."""
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 8192, device="cuda", dtype=torch.bfloat16) / 8192**0.5
+    tickets = Tickets()
+    want = skinny_linear_triton(x, w, tickets=tickets, splits=16)
+    outs = [skinny_linear_triton(x, w, tickets=tickets, splits=16) for _ in range(300)]
+    assert all(torch.equal(o, want) for o in outs)
+    assert not tickets.get(1, x.device).any().item()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_skinny_linear_replays_in_a_cuda_graph(split):
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * 256, 1024, device="cuda", dtype=torch.bfloat16) / 1024**0.5
+    tickets = Tickets() if split else None
+    skinny_linear_triton(x, w, gated=True, tickets=tickets)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = skinny_linear_triton(x, w, gated=True)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    want = skinny_linear_reference(x, w, gated=True)
-    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+        out = skinny_linear_triton(x, w, gated=True, tickets=tickets)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = skinny_linear_reference(x, w, gated=True)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

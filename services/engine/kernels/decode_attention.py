@@ -5,7 +5,7 @@ request × KV head × split of the context, so a single request still spreads ov
 Each program packs the query heads that share its KV head (GQA) into the rows of one
 `tl.dot`, walks its share of the context in tiles of `BLOCK_N` keys gathered across pages
 (a tile may span several pages), and keeps an online softmax; a second small kernel merges
-the splits by their log-sum-exp. Or, one kernel a layer (`DecodeTickets`,
+the splits by their log-sum-exp. Or, one kernel a layer (`kernels/tickets.py`,
 `EngineConfig.fused_decode_attention`): each program draws a ticket once its partial is
 stored, and the one that draws its request × KV head's last ticket merges the splits (the
 split-K "last block reduces" pattern); a launch of one split writes its answer directly.
@@ -324,7 +324,7 @@ def decode_attention_triton(
     out: torch.Tensor | None = None,
     tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """With `tickets` (`DecodeTickets.get`), one kernel: the last split of each request ×
+    """With `tickets` (`Tickets.get`), one kernel: the last split of each request ×
     KV head to finish merges them, and one split writes its answer straight out. Without,
     a second kernel merges every split."""
     return _launch(
@@ -506,37 +506,6 @@ def decode_rope_attention(
         q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         scale, sliding_window, q_weight, k_weight, eps, out=out, tickets=tickets,
     )  # fmt: skip
-
-
-class DecodeTickets:
-    """The counters with which the splits of a one-kernel decode launch (`tickets=`) find
-    the last of them to finish: one int32 per request × KV head, zero between launches
-    (the merging program zeroes its own). One set per engine, whose launches run one after
-    another on its stream; two engines must not share one (concurrent launches would
-    draw each other's tickets).
-
-    The buffer exists before any graph captures it (each capture's warm-up run comes first,
-    the largest bucket first, so later buckets find it big enough), and it may not grow
-    inside a capture. Should an eager step ever need more, the new buffer is added and the
-    old one kept: a graph holds the old one's address, and its launches must keep finding
-    live, zeroed counters there."""
-
-    def __init__(self) -> None:
-        self._tickets: torch.Tensor | None = None
-        self._retired: list[torch.Tensor] = []  # earlier buffers, which graphs may read
-
-    def get(self, count: int, device: torch.device) -> torch.Tensor:
-        t = self._tickets
-        if t is None or t.numel() < count or t.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"decode tickets would grow to {count} inside a CUDA graph capture: "
-                    "run the step eagerly first"
-                )
-            if t is not None:
-                self._retired.append(t)
-            t = self._tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        return t
 
 
 # -- varlen prefill: chunks over prefix-cached context ---------------------------------------

@@ -14,10 +14,20 @@ so one launch gives the finished rows:
   `silu_mul` in one kernel, with no rounding of the pre-activations to the model dtype
   between them (the reference computes in float32 the same way).
 
+A program that walks all of K alone for its 16 or 32 columns streams its weights with too
+little in flight: on one H200 that read the Llama-3-8B shape's weights about 10% slower
+than cuBLAS. With `tickets` (`kernels/tickets.py`; a model gives its Linears one set) the
+launch is also split over K, about four programs an SM (`k_splits`): each stores its
+float32 partial, and the last program of each column block to finish sums the partials in
+order and runs the epilogue (bias, activation) on the sum, in the same launch. cuBLAS's
+split-K needs a second, reducing kernel for that.
+
 Off unless `EngineConfig.skinny_gemm` is set (CUDA only), until its speed against cuBLAS
 has been measured on the GPUs we serve on (`benchmarks/decode.py --systems
 coxswain,coxswain-skinny`).
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +39,11 @@ except ImportError:  # CPU-only installs: the reference serves every call
     triton = None
 
 from services.engine.kernels.steer import INTERPRET
+from services.engine.kernels.tickets import Tickets
 
 MAX_ROWS = 16  # rows of x a launch takes: tl.dot's smallest tile
 BLOCK_K = 128
+INTERPRETER_SMS = 8  # what `k_splits` fills when the interpreter runs the kernel on CPU
 
 
 def skinny_linear_reference(
@@ -58,29 +70,35 @@ if triton is not None:
         w_ptr,
         b_ptr,
         y_ptr,
+        ws_ptr,  # with SPLIT: float32 partials [splits, 1 or 2 (GATED), BLOCK_M, N]
+        tickets_ptr,  # with SPLIT: one counter per block of output columns, zero
         M,
         N,  # output columns (per half of W when GATED)
         K,
+        k_per_split,  # a multiple of BLOCK_K
         stride_x,
         stride_w,
         stride_y,
         HAS_BIAS: tl.constexpr,
         GATED: tl.constexpr,
         IEEE: tl.constexpr,  # float32 inputs: full-precision products (no TF32)
+        SPLIT: tl.constexpr,  # K split over the launch's second axis (`Tickets` sum it)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok, n_ok = rm < M, rn < N
         w_rows = rn.to(tl.int64) * stride_w
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_end = tl.minimum(K, (pid_k + 1) * k_per_split)
+        for k0 in range(pid_k * k_per_split, k_end, BLOCK_K):
             k = k0 + rk
-            k_ok = k < K
+            k_ok = k < k_end
             xt = tl.load(
                 x_ptr + rm[:, None] * stride_x + k[None, :],
                 mask=m_ok[:, None] & k_ok[None, :],
@@ -101,14 +119,40 @@ if triton is not None:
                     acc_up += tl.dot(xt, up, input_precision="ieee")
                 else:
                     acc_up += tl.dot(xt, up)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tile = rm[:, None] * N + rn[None, :]  # a partial's [BLOCK_M, BLOCK_N] in ws
+        ok = m_ok[:, None] & n_ok[None, :]
+        last = True
+        if SPLIT:
+            halves = 1 + GATED
+            part = ws_ptr + pid_k * halves * BLOCK_M * N
+            tl.store(part + tile, acc, mask=ok)
             if GATED:
-                acc_up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        y = y_ptr + rm[:, None] * stride_y + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                tl.store(part + BLOCK_M * N + tile, acc_up, mask=ok)
+            # Every thread's partial stored before the ticket (`kernels/tickets.py`).
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            last = ticket == tl.num_programs(1) - 1
+            if last:  # sum the splits in order (the same sum whichever finished last)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for sp in range(tl.num_programs(1)):
+                    at = ws_ptr + sp * halves * BLOCK_M * N
+                    acc += tl.load(at + tile, mask=ok, other=0.0, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(
+                            at + BLOCK_M * N + tile, mask=ok, other=0.0, cache_modifier=".cg"
+                        )
+                tl.store(tickets_ptr + pid_n, 0)  # zero again for the next launch
+        if last:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                if GATED:
+                    up_bias = tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+                    acc_up += up_bias[None, :]
+            if GATED:
+                acc = acc * tl.sigmoid(acc) * acc_up
+            y = y_ptr + rm[:, None] * stride_y + rn[None, :]
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _block_n(n: int) -> int:
@@ -117,10 +161,31 @@ def _block_n(n: int) -> int:
     return 32 if triton.cdiv(n, 32) >= 128 else 16
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def k_splits(programs: int, k: int, sms: int) -> int:
+    """Splits of K for a launch of `programs` column blocks: enough for about four programs
+    an SM (one program streaming its columns alone cannot keep an SM's loads in flight),
+    each at least two `BLOCK_K` tiles long (shorter ones cost their partial's round trip
+    for little reading), at most 16; 1 where the columns alone fill the GPU."""
+    want = -(-4 * sms // programs)
+    return max(1, min(want, 16, k // (2 * BLOCK_K)))
+
+
 def skinny_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    tickets: Tickets | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """`skinny_linear_reference` as one Triton launch over blocks of output columns."""
+    """`skinny_linear_reference` as one Triton launch over blocks of output columns; with
+    `tickets`, split over K too (`k_splits`, or `splits`), the last program of each
+    column block to finish summing the partials (`kernels/tickets.py`)."""
     M, K = x.shape
     rows = weight.shape[0]
     assert M <= MAX_ROWS, f"{M} rows: at most {MAX_ROWS} a launch"
@@ -131,20 +196,41 @@ def skinny_linear_triton(
     if M == 0:
         return y
     block_n = _block_n(N)
-    _skinny_kernel[(triton.cdiv(N, block_n),)](
+    programs = triton.cdiv(N, block_n)
+    if tickets is None:
+        splits = 1
+    elif splits is None:
+        sms = _num_sms(x.device) if x.is_cuda else INTERPRETER_SMS
+        splits = k_splits(programs, K, sms)
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)  # none left empty
+    split = splits > 1
+    ws = y  # (unread without SPLIT)
+    counters = y
+    if split:
+        assert tickets is not None
+        ws = torch.empty(
+            splits, 2 if gated else 1, MAX_ROWS, N, dtype=torch.float32, device=x.device
+        )
+        counters = tickets.get(programs, x.device)
+    _skinny_kernel[(programs, splits)](
         x,
         weight,
         bias if bias is not None else weight,  # (unread without HAS_BIAS)
         y,
+        ws,
+        counters,
         M,
         N,
         K,
+        k_per_split,
         x.stride(0),
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
         GATED=gated,
         IEEE=x.dtype == torch.float32,
+        SPLIT=split,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
         BLOCK_K=BLOCK_K,
@@ -155,12 +241,17 @@ def skinny_linear_triton(
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    tickets: Tickets | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA or under TRITON_INTERPRET=1, else the reference."""
-    use_triton = triton is not None and (x.is_cuda or INTERPRET)
-    fn = skinny_linear_triton if use_triton else skinny_linear_reference
-    return fn(x, weight, bias, gated)
+    """Triton on CUDA or under TRITON_INTERPRET=1 (split over K with `tickets`), else the
+    reference."""
+    if triton is not None and (x.is_cuda or INTERPRET):
+        return skinny_linear_triton(x, weight, bias, gated, tickets)
+    return skinny_linear_reference(x, weight, bias, gated)
 
 
 def takes(x: torch.Tensor) -> bool:

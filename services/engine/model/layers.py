@@ -16,6 +16,7 @@ from torch import nn
 from services.common.errors import CheckpointError
 from services.engine.kernels.norm_rope import rms_norm, rotary
 from services.engine.kernels.skinny_gemm import skinny_linear, takes
+from services.engine.kernels.tickets import Tickets
 from services.engine.model.config import RopeConfig, llama3_inv_freq
 from services.engine.parallel import ParallelContext
 
@@ -43,7 +44,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ (+ b) with W's output rows split across TP ranks; output stays sharded.
 
     `skinny`: decode-size batches (`kernels/skinny_gemm.py`'s `takes`) run that kernel
-    instead of cuBLAS (`EngineConfig.skinny_gemm`)."""
+    instead of cuBLAS (`EngineConfig.skinny_gemm`), split over K where the model gives it
+    `tickets` (`kernels/tickets.py`)."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.skinny = skinny
+        self.tickets: Tickets | None = None  # the model's, for the split-K skinny kernel
         self.out_per_rank = _divide(out_features, ctx.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -73,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny and takes(x):
-            return skinny_linear(x, self.weight, self.bias)
+            return skinny_linear(x, self.weight, self.bias, tickets=self.tickets)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -129,6 +132,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.skinny = skinny
+        self.tickets: Tickets | None = None  # as ColumnParallelLinear's
         self.in_per_rank = _divide(in_features, ctx.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -147,7 +151,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """`reduce` False: this rank's partial sum, for a caller that reduces it itself (the
         fused all-reduce + norm, `ParallelContext.all_reduce_add_norm`; no bias then)."""
-        y = skinny_linear(x, self.weight) if self.skinny and takes(x) else F.linear(x, self.weight)
+        if self.skinny and takes(x):
+            y = skinny_linear(x, self.weight, tickets=self.tickets)
+        else:
+            y = F.linear(x, self.weight)
         if not reduce:
             assert self.bias is None, "a partial sum takes its bias after the reduction"
             return y

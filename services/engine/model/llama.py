@@ -16,6 +16,7 @@ from torch import nn
 from services.engine.attention import AttentionBackend
 from services.engine.kernels.norm_rope import qk_rope_cache, silu_mul
 from services.engine.kernels.skinny_gemm import skinny_linear, takes
+from services.engine.kernels.tickets import Tickets
 from services.engine.model.config import ModelConfig
 from services.engine.model.layers import (
     MergedColumnParallelLinear,
@@ -127,7 +128,7 @@ class MLP(nn.Module):
         # Skinny: the gate-up GEMM and its activation in one kernel. An adapter's wrapper
         # (no MergedColumnParallelLinear) runs its own GEMM, then the activation.
         if isinstance(gate_up, MergedColumnParallelLinear) and gate_up.skinny and takes(x):
-            a = skinny_linear(x, gate_up.weight, gate_up.bias, gated=True)
+            a = skinny_linear(x, gate_up.weight, gate_up.bias, gated=True, tickets=gate_up.tickets)
         else:
             a = silu_mul(gate_up(x))
         return self.down_proj(a) if reduce else self.down_proj(a, reduce=False)
@@ -240,7 +241,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         skinny_gemm: bool = False,
     ):
         """`skinny_gemm`: the decoder layers' Linears run `kernels/skinny_gemm.py` on
-        decode-size CUDA batches (`EngineConfig.skinny_gemm`)."""
+        decode-size CUDA batches (`EngineConfig.skinny_gemm`), split over K, with one set
+        of tickets for the whole model (its launches run one after another)."""
         super().__init__()
         self.cfg = cfg
         self.ctx = ctx
@@ -257,6 +259,11 @@ class LlamaFamilyForCausalLM(nn.Module):
                 for i in self.layer_range
             }
         )
+        if skinny_gemm:
+            tickets = Tickets()
+            for module in self.layers.modules():
+                if getattr(module, "skinny", False):
+                    module.tickets = tickets
         if ctx.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx)

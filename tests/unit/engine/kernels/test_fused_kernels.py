@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.decode_attention import (
-    DecodeTickets,
     decode_attention_reference,
     decode_attention_triton,
     decode_rope_attention_reference,
@@ -30,6 +29,7 @@ from services.engine.kernels.norm_rope import (
     silu_mul_triton,
 )
 from services.engine.kernels.steer import INTERPRET
+from services.engine.kernels.tickets import Tickets
 from tests.interpreted import assert_passes_interpreted
 
 interpreted_only = pytest.mark.skipif(
@@ -154,7 +154,7 @@ def test_interpreted_one_kernel_decode_merges_like_two(hq, hkv, d, page, window,
     other lengths (a graph replay) is right too."""
     lens = (6 * page - 1, 1, 0, 2 * page + 3)
     case = paged_case(hq=hq, hkv=hkv, d=d, page=page, lens=lens, width=6, blocks=30, seed=d + page)
-    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cpu"))
+    tickets = Tickets().get(len(lens) * hkv, torch.device("cpu"))
     for lens_now in (lens, (0, 5, 2 * page, 6 * page)):
         case[-1].copy_(torch.tensor(lens_now, dtype=torch.int32))
         want = decode_attention_triton(*case, 0.1, window, num_splits=splits)
@@ -215,7 +215,7 @@ def test_interpreted_rope_decode_kernel_matches_reference(
     want = decode_rope_attention_reference(
         q, k, v, cos, sin, positions, kc, vc, slots, tables, lens, 0.1, window, qw, kw, 1e-6
     )
-    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cpu")) if merge else None
+    tickets = Tickets().get(len(lens) * hkv, torch.device("cpu")) if merge else None
     got = decode_rope_attention_triton(
         q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.1, window, qw, kw, 1e-6,
         num_splits=splits, tickets=tickets,
@@ -246,7 +246,7 @@ def test_interpreted_rope_decode_kernel_rounds_as_the_separate_kernels(norm, spl
     qk_rope_cache_reference(q, k, v, cos, sin, positions, kc, vc, slots, qw, kw, 1e-6)
     rotated = qk_rope_cache_triton(q, k, v, cos, sin, positions, kc3, vc3, slots, qw, kw, 1e-6)
     want = decode_attention_triton(rotated, kc3, vc3, tables, lens, 0.1, num_splits=splits)
-    tickets = DecodeTickets().get(len(lens) * hkv, torch.device("cpu"))
+    tickets = Tickets().get(len(lens) * hkv, torch.device("cpu"))
     got = decode_rope_attention_triton(
         q, k, v, cos, sin, positions, kc2, vc2, slots, tables, lens, 0.1, None, qw, kw, 1e-6,
         num_splits=splits, tickets=tickets,

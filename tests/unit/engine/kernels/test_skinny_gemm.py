@@ -11,10 +11,12 @@ import torch.nn.functional as F
 from services.engine.kernels.norm_rope import silu_mul_reference
 from services.engine.kernels.skinny_gemm import (
     MAX_ROWS,
+    k_splits,
     skinny_linear,
     skinny_linear_reference,
     skinny_linear_triton,
 )
+from services.engine.kernels.tickets import Tickets
 from tests.interpreted import INTERPRETED, assert_passes_interpreted
 
 
@@ -74,6 +76,38 @@ def test_triton_matches_the_reference(M, K, N, bias, gated):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "M,K,N,bias,gated,splits",
+    [
+        (1, 1024, 64, False, False, 4),  # batch 1, whole tiles
+        (3, 1000, 70, True, False, 3),  # ragged K (its last split short), N and rows
+        (MAX_ROWS, 700, 2 * 40, False, True, 2),  # gated: both halves' partials summed
+        (7, 900, 2 * 33, True, True, None),  # the launch's own choice (`k_splits`)
+        (2, 300, 48, False, False, 16),  # more splits asked than K has tiles: fewer
+    ],
+)
+def test_split_k_sums_as_one_program_does(M, K, N, bias, gated, splits):
+    """Split over K with tickets: the last program of each column block sums the partials
+    in order, then the epilogue (bias, activation) runs once, on the sum. The reference's
+    answer (float32 sums in another order), and every ticket zeroed after, ready for the
+    next launch, which gives the same."""
+    x, w, b = _case(M, K, N, bias, seed=M + K)
+    tickets = Tickets()
+    want = skinny_linear_reference(x, w, b, gated)
+    for _ in range(2):
+        got = skinny_linear_triton(x, w, b, gated, tickets, splits)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        assert not tickets.get(1, x.device).any()
+
+
+def test_k_splits_fill_the_gpu_without_splitting_short_ks():
+    assert k_splits(programs=64, k=2048, sms=132) == 8  # Qwen3-0.6B o_proj: 64 column blocks
+    assert k_splits(programs=896, k=4096, sms=132) == 1  # the columns alone fill the GPU
+    assert k_splits(programs=4, k=200, sms=132) == 1  # too short to split
+    assert k_splits(programs=1, k=1 << 20, sms=132) == 16  # never more than 16
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
 def test_triton_refuses_more_rows_than_a_tile():
     x, w, _ = _case(MAX_ROWS + 1, 32, 16, False)
     with pytest.raises(AssertionError, match="at most"):
@@ -81,10 +115,14 @@ def test_triton_refuses_more_rows_than_a_tile():
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("rows", [3, MAX_ROWS + 1])  # the kernel, and cuBLAS's fallback
-def test_triton_in_the_decoder_layers_linears_and_mlp(monkeypatch, rows):
+@pytest.mark.parametrize(
+    "rows,split", [(3, False), (3, True), (MAX_ROWS + 1, False)]
+)  # the kernel, split over K as a model with tickets runs it, and cuBLAS's fallback
+def test_triton_in_the_decoder_layers_linears_and_mlp(monkeypatch, rows, split):
     """A skinny MLP (gate-up with its activation in the kernel, then down) and qkv/o
-    projections give what the plain modules give; more rows than a tile take F.linear."""
+    projections give what the plain modules give, split over K where the modules hold
+    tickets (as `LlamaFamilyForCausalLM` gives them); more rows than a tile take F.linear."""
+    import services.engine.kernels.skinny_gemm as skinny_gemm
     import services.engine.model.layers as layers
     import services.engine.model.llama as llama
     from services.engine.model.config import parse_model_config
@@ -101,36 +139,82 @@ def test_triton_in_the_decoder_layers_linears_and_mlp(monkeypatch, rows):
 
     monkeypatch.setattr(layers, "skinny_linear", counted)
     monkeypatch.setattr(llama, "skinny_linear", counted)
+    h, n = (512, 520) if split else (48, 40)  # K long enough to split (two tiles a split)
+    monkeypatch.setattr(skinny_gemm, "INTERPRETER_SMS", 132)  # as many programs as an H100
     cfg = parse_model_config(
         {
             "architectures": ["Qwen2ForCausalLM"],  # qkv bias
-            "hidden_size": 48,
+            "hidden_size": h,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "num_hidden_layers": 1,
             "vocab_size": 64,
-            "intermediate_size": 40,
+            "intermediate_size": n,
             "mlp_bias": True,
         }
     )
+    q, kv = h, h // 2
     torch.manual_seed(0)
     plain = torch.nn.ModuleList(
         [
             llama.MLP(cfg, SINGLE_PROCESS),
-            layers.MergedColumnParallelLinear(48, [48, 24, 24], True, SINGLE_PROCESS),
+            layers.MergedColumnParallelLinear(h, [q, kv, kv], True, SINGLE_PROCESS),
         ]
     )
     for p in plain.parameters():
-        p.data.normal_(0, 0.2)
+        p.data.normal_(0, 0.2 if not split else 0.05)
     skinny = torch.nn.ModuleList(
         [
             llama.MLP(cfg, SINGLE_PROCESS, skinny=True),
-            layers.MergedColumnParallelLinear(48, [48, 24, 24], True, SINGLE_PROCESS, skinny=True),
+            layers.MergedColumnParallelLinear(h, [q, kv, kv], True, SINGLE_PROCESS, skinny=True),
         ]
     )
     skinny.load_state_dict(plain.state_dict())
-    x = torch.randn(rows, 48)
+    drawn = []  # launches split over K draw tickets (`skinny_linear_triton`)
+    if split:
+        tickets = Tickets()
+        for module in skinny.modules():
+            if getattr(module, "skinny", False):
+                module.tickets = tickets
+        get = tickets.get
+        monkeypatch.setattr(tickets, "get", lambda *a: drawn.append(a) or get(*a))
+    x = torch.randn(rows, h)
     for a, b in zip(skinny, plain, strict=True):
         assert torch.allclose(a(x), b(x), atol=1e-4, rtol=1e-4)
-    # gate-up with its activation, down, qkv: each in the kernel, or none past a tile
+    assert bool(drawn) == split, "a model with tickets splits its long-K launches"
     assert calls == ([True, False, False] if rows <= MAX_ROWS else [])
+
+
+def test_a_skinny_model_gives_every_skinny_linear_its_one_set_of_tickets():
+    """`skinny_gemm`: each decoder Linear splits over K with the model's tickets (one set:
+    its launches run one after another); without it, none holds any."""
+    from services.engine.attention import SdpaBackend
+    from services.engine.model.config import parse_model_config
+    from services.engine.model.layers import ColumnParallelLinear, RowParallelLinear
+    from services.engine.model.llama import LlamaFamilyForCausalLM
+    from services.engine.parallel import SINGLE_PROCESS
+
+    cfg = parse_model_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "vocab_size": 64,
+            "intermediate_size": 48,
+        }
+    )
+    for skinny in (True, False):
+        model = LlamaFamilyForCausalLM(cfg, SINGLE_PROCESS, SdpaBackend(), skinny_gemm=skinny)
+        linears = [
+            m
+            for m in model.layers.modules()
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+        ]
+        assert len(linears) == 2 * 4  # qkv, o, gate-up, down
+        held = {id(m.tickets) for m in linears}
+        if skinny:
+            assert len(held) == 1 and isinstance(linears[0].tickets, Tickets)
+        else:
+            assert held == {id(None)}
