@@ -91,14 +91,25 @@ def test_graph_replay_equals_eager_float32(tiny_checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_skinny_gemm_gives_cublas_tokens_and_logprobs_float32(tiny_checkpoint, arch):
+@pytest.mark.parametrize("hidden", [64, 512])  # K too short to split, and split
+def test_skinny_gemm_gives_cublas_tokens_and_logprobs_float32(
+    tiny_checkpoint, monkeypatch, arch, hidden
+):
     """`skinny_gemm`: the decoder Linears of steps of at most 16 tokens (every step here:
     8 sequences at most, short prompts) run the Triton kernel, the gated MLP's activation
-    inside it; float32 against cuBLAS, graphs on, and the kernel is seen running."""
+    inside it, split over K where K is long enough (the model's one set of tickets shared
+    by back-to-back launches, in and out of graphs); float32 against cuBLAS, graphs on,
+    and the kernel is seen running."""
+    from services.engine.kernels.tickets import Tickets
+
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-    path = tiny_checkpoint(arch)
+    path = tiny_checkpoint(arch, hidden=hidden, intermediate=2 * hidden)
+    drawn = []
+    get = Tickets.get
+    monkeypatch.setattr(Tickets, "get", lambda self, *a: drawn.append(a) or get(self, *a))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         skinny, sstats = _run(path, "float32", False, params, skinny_gemm=True)
+    assert bool(drawn) == (hidden == 512), "a split launch draws tickets; a short K none"
     cublas, _ = _run(path, "float32", False, params)
     assert sstats["num_graph_steps"] > 10
     ran = [e.key for e in prof.key_averages() if "_skinny_kernel" in e.key]

@@ -120,17 +120,28 @@ def test_one_kernel_decode_survives_many_racing_launches():
     q, kc, vc, tables, lens = _cuda(
         paged_case(16, 8, 128, 16, (4000,), 256, 260, 9, torch.bfloat16)
     )
+    qs = [q, torch.randn_like(q), torch.randn_like(q)]  # in turn: stale partials would show
     tickets = Tickets().get(8, torch.device("cuda"))
-    want = decode_attention_triton(q, kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS)
+    want = []
+    for qi in qs:
+        want.append(
+            decode_attention_triton(
+                qi, kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS, tickets=tickets
+            )
+        )
+        torch.cuda.synchronize()
     outs = [
         decode_attention_triton(
-            q, kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS, tickets=tickets
+            qs[i % 3], kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS, tickets=tickets
         )
-        for _ in range(300)
+        for i in range(300)
     ]
-    for got in outs:
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert all(
+        torch.equal(o, want[i % 3]) for i, o in enumerate(outs)
+    )  # the merge's order is fixed
     assert not tickets.any().item()
+    two = decode_attention_triton(q, kc, vc, tables, lens, 0.09, num_splits=MAX_SPLITS)
+    torch.testing.assert_close(want[0].float(), two.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_decode_tickets_cannot_grow_inside_a_capture():
@@ -321,15 +332,20 @@ def test_skinny_linear_matches_reference(dtype, m, k, n, gated, bias, split):
 
 
 def test_split_skinny_linear_survives_many_racing_launches():
-    """Sixteen splits a column block racing for the last ticket, 300 launches back to back:
-    the same sum every time (its order is fixed), and no ticket left drawn."""
-    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    """Sixteen splits a column block racing for the last ticket, 300 launches back to back
+    over three inputs in turn (so a sum that read a partial before it landed would read
+    the launch before's, which differs): each equals its input's launch run alone (the
+    sum's order is fixed), and no ticket is left drawn."""
+    xs = [torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     w = torch.randn(1024, 8192, device="cuda", dtype=torch.bfloat16) / 8192**0.5
     tickets = Tickets()
-    want = skinny_linear_triton(x, w, tickets=tickets, splits=16)
-    outs = [skinny_linear_triton(x, w, tickets=tickets, splits=16) for _ in range(300)]
-    assert all(torch.equal(o, want) for o in outs)
-    assert not tickets.get(1, x.device).any().item()
+    want = []
+    for x in xs:
+        want.append(skinny_linear_triton(x, w, tickets=tickets, splits=16))
+        torch.cuda.synchronize()
+    outs = [skinny_linear_triton(xs[i % 3], w, tickets=tickets, splits=16) for i in range(300)]
+    assert all(torch.equal(o, want[i % 3]) for i, o in enumerate(outs))
+    assert not tickets.get(1, w.device).any().item()
 
 
 @pytest.mark.parametrize("split", [False, True])

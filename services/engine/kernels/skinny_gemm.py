@@ -167,11 +167,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def k_splits(programs: int, k: int, sms: int) -> int:
-    """Splits of K for a launch of `programs` column blocks: enough for about four programs
-    an SM (one program streaming its columns alone cannot keep an SM's loads in flight),
-    each at least two `BLOCK_K` tiles long (shorter ones cost their partial's round trip
-    for little reading), at most 16; 1 where the columns alone fill the GPU."""
-    want = -(-4 * sms // programs)
+    """Splits of K for a launch of `programs` column blocks: up to four programs an SM,
+    rounded down (one program streaming its columns alone cannot keep an SM's loads in
+    flight; a partial wave more than four an SM only lengthens the tail), each at least two
+    `BLOCK_K` tiles long (shorter ones cost their partial's round trip for little reading),
+    at most 16; 1 where the columns alone fill the GPU."""
+    want = 4 * sms // programs
     return max(1, min(want, 16, k // (2 * BLOCK_K)))
 
 
@@ -197,6 +198,7 @@ def skinny_linear_triton(
         return y
     block_n = _block_n(N)
     programs = triton.cdiv(N, block_n)
+    assert splits is None or tickets is not None, "a split launch sums its partials by ticket"
     if tickets is None:
         splits = 1
     elif splits is None:

@@ -102,6 +102,7 @@ def test_split_k_sums_as_one_program_does(M, K, N, bias, gated, splits):
 
 def test_k_splits_fill_the_gpu_without_splitting_short_ks():
     assert k_splits(programs=64, k=2048, sms=132) == 8  # Qwen3-0.6B o_proj: 64 column blocks
+    assert k_splits(programs=192, k=4096, sms=132) == 2  # Llama-3-8B qkv: 2.75 rounds down
     assert k_splits(programs=896, k=4096, sms=132) == 1  # the columns alone fill the GPU
     assert k_splits(programs=4, k=200, sms=132) == 1  # too short to split
     assert k_splits(programs=1, k=1 << 20, sms=132) == 16  # never more than 16
