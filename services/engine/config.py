@@ -99,7 +99,9 @@ class EngineConfig:
     # 1.06x at batch 1 on the Qwen3-0.6B shape but 0.95x at batch 8 and 0.91x on the
     # Llama-3-8B shape, where it read weights slower than cuBLAS (benchmarks/README.md).
     # Since then it also splits K over the launch (the last program of a column block sums
-    # the partials: no reduce kernel), to keep more loads in flight; not yet measured.
+    # the partials: no reduce kernel), to keep more loads in flight, and runs each layer's
+    # two RMSNorms (and their residual adds) inside the qkv and gate-up launches; not yet
+    # measured.
     skinny_gemm: bool = False
     # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
     # RoPE and the K/V cache write happen in the attention kernel's programs, and the last

@@ -27,6 +27,8 @@ from services.engine.kernels.skinny_gemm import (
     MAX_ROWS,
     skinny_linear_reference,
     skinny_linear_triton,
+    skinny_norm_linear_reference,
+    skinny_norm_linear_triton,
 )
 from services.engine.kernels.tickets import Tickets
 from tests.unit.engine.kernels.test_fused_kernels import (
@@ -329,6 +331,34 @@ def test_skinny_linear_matches_reference(dtype, m, k, n, gated, bias, split):
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert tickets is None or not tickets.get(1, x.device).any().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "m,k,n,gated,residual",
+    [
+        (1, 1024, 4096, False, True),  # Qwen3-0.6B's input norm into qkv
+        (1, 1024, 2 * 3072, True, True),  # its post-attention norm into gate-up
+        (MAX_ROWS, 4096, 6144, False, False),  # Llama-3-8B's first layer: no residual yet
+        (3, 4096, 2 * 14336, True, True),  # Llama-3-8B's gate-up
+    ],
+)
+@pytest.mark.parametrize("split", [False, True])
+def test_skinny_norm_linear_matches_reference(dtype, m, k, n, gated, residual, split):
+    """The RMSNorm (and the residual add) inside the Linear's launch: the norm-then-GEMM
+    reference within the dtype's tolerance (the normed row is not rounded before the
+    products), and the stream x + residual bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    res = torch.randn(m, k, device="cuda", generator=g).to(dtype) if residual else None
+    norm_weight = (torch.rand(k, device="cuda", generator=g) + 0.5).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    tickets = Tickets() if split else None
+    got, stream = skinny_norm_linear_triton(x, res, norm_weight, 1e-6, w, None, gated, tickets)
+    want, want_stream = skinny_norm_linear_reference(x, res, norm_weight, 1e-6, w, None, gated)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(stream, want_stream)
 
 
 def test_split_skinny_linear_survives_many_racing_launches():

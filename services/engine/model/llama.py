@@ -15,7 +15,7 @@ from torch import nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.kernels.norm_rope import qk_rope_cache, silu_mul
-from services.engine.kernels.skinny_gemm import skinny_linear, takes
+from services.engine.kernels.skinny_gemm import skinny_linear, skinny_norm_linear, takes
 from services.engine.kernels.tickets import Tickets
 from services.engine.model.config import ModelConfig
 from services.engine.model.layers import (
@@ -64,33 +64,45 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the runner
 
-    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The qkv projection of `x` as q [T, Hq, D], k and v [T, Hkv, D] (views)."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def _heads(
+        self, x: torch.Tensor, qkv: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The qkv projection of `x` (or `qkv`, projected already) as q [T, Hq, D], k and v
+        [T, Hkv, D] (views)."""
+        qkv = self.qkv_proj(x) if qkv is None else qkv
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def project(
-        self, positions: torch.Tensor, x: torch.Tensor
+        self, positions: torch.Tensor, x: torch.Tensor | None, qkv: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of the normed residual `x`, with
-        the per-head norms (Qwen3) and RoPE applied: what attention reads and caches."""
-        q, k, v = self._heads(x)
+        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of the normed residual `x` (or of
+        its projection `qkv`), with the per-head norms (Qwen3) and RoPE applied: what
+        attention reads and caches."""
+        q, k, v = self._heads(x, qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return q, k, v
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: Any, reduce: bool = True
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor | None,
+        meta: Any,
+        reduce: bool = True,
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        t = x.shape[0]
+        """Attention of the normed residual `x`, or of its qkv projection `qkv` where the
+        caller ran it (with the norm folded in: `DecoderLayer.forward_fused`)."""
+        t = (x if qkv is None else qkv).shape[0]
         assert self.kv_cache is not None, "the runner must attach a KV cache before forward"
         if self.backend.reads_kv_from_cache:
-            q, k, v = self._heads(x)
+            q, k, v = self._heads(x, qkv)
             norms = (None, None, 0.0)
             if self.q_norm is not None:
                 norms = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
@@ -106,7 +118,7 @@ class Attention(nn.Module):
                 )
                 o = self.backend.attend(q, self.kv_cache, meta, self.scale, self.sliding_window)
         else:
-            q, k, v = self.project(positions, x)
+            q, k, v = self.project(positions, x, qkv)
             o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
         o = o.reshape(t, self.q_size)
         # (reduce=False only under the fused TP kernel: wrappers such as the trainer's
@@ -200,7 +212,23 @@ class DecoderLayer(nn.Module):
         intervention sites): takes and returns (the last sub-block's output, the residual
         stream before it is added); `residual` None means x is the stream itself. With
         `fuse_reduce`, sub-block outputs (x and the first part returned included) are this
-        rank's partial sums, and each all-reduce runs inside the norm after it."""
+        rank's partial sums, and each all-reduce runs inside the norm after it. Where the
+        skinny kernel takes the step (`folds_norms`), the add and the norm run inside the
+        Linear after them instead: qkv and gate-up."""
+        if self.folds_norms(x):
+            qkv_proj, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+            g = self.input_layernorm
+            qkv, residual = skinny_norm_linear(
+                x, residual, g.weight, g.eps, qkv_proj.weight, qkv_proj.bias,
+                tickets=qkv_proj.tickets,
+            )  # fmt: skip
+            a = self.self_attn(positions, None, meta, qkv=qkv)
+            g = self.post_attention_layernorm
+            h, residual = skinny_norm_linear(
+                a, residual, g.weight, g.eps, gate_up.weight, gate_up.bias, gated=True,
+                tickets=gate_up.tickets,
+            )  # fmt: skip
+            return self.mlp.down_proj(h), residual
         if residual is None:
             residual, normed = x, self.input_layernorm(x)
         else:
@@ -208,6 +236,15 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(positions, normed, meta, reduce=not self.fuse_reduce)
         normed, residual = self._add_norm(self.post_attention_layernorm, a, residual)
         return self.mlp(normed, reduce=not self.fuse_reduce), residual
+
+    def folds_norms(self, x: torch.Tensor) -> bool:
+        """Whether this step's norms run inside the Linears after them: the skinny kernel
+        takes these rows (`EngineConfig.skinny_gemm`, a decode-size CUDA batch), qkv and
+        gate-up are its own plain Linears (an adapter's wrapper runs its own GEMM), and no
+        fused all-reduce does the adds."""
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        plain = type(qkv) is type(gate_up) is MergedColumnParallelLinear
+        return plain and qkv.skinny and gate_up.skinny and not self.fuse_reduce and takes(x)
 
     def _add_norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor

@@ -15,6 +15,8 @@ from services.engine.kernels.skinny_gemm import (
     skinny_linear,
     skinny_linear_reference,
     skinny_linear_triton,
+    skinny_norm_linear_reference,
+    skinny_norm_linear_triton,
 )
 from services.engine.kernels.tickets import Tickets
 from tests.interpreted import INTERPRETED, assert_passes_interpreted
@@ -98,6 +100,34 @@ def test_split_k_sums_as_one_program_does(M, K, N, bias, gated, splits):
         got = skinny_linear_triton(x, w, b, gated, tickets, splits)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
         assert not tickets.get(1, x.device).any()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "M,K,N,bias,gated,res,splits",
+    [
+        (1, 512, 64, False, False, True, None),  # batch 1, one program down K
+        (3, 1000, 70, True, False, True, 3),  # split: the squares' partials summed too
+        (MAX_ROWS, 700, 2 * 40, False, True, False, 2),  # the first layer: no residual
+        (7, 900, 2 * 33, True, True, True, 4),  # gated with biases, split
+    ],
+)
+def test_the_norm_before_the_linear_folds_into_its_launch(M, K, N, bias, gated, res, splits):
+    """RMSNorm(x + residual) then the Linear, in the Linear's launch: the reference's
+    output and stream (x + residual, bit for bit: the same rounding), split or not, and
+    the tickets zeroed after."""
+    x, w, b = _case(M, K, N, bias, seed=M + K)
+    g = torch.Generator().manual_seed(K)
+    residual = torch.randn(M, K, generator=g) if res else None
+    norm_weight = torch.rand(K, generator=g) + 0.5
+    want, want_stream = skinny_norm_linear_reference(x, residual, norm_weight, 1e-6, w, b, gated)
+    tickets = Tickets() if splits else None
+    got, stream = skinny_norm_linear_triton(
+        x, residual, norm_weight, 1e-6, w, b, gated, tickets, splits
+    )
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(stream, want_stream)
+    assert tickets is None or not tickets.get(1, x.device).any()
 
 
 def test_k_splits_fill_the_gpu_without_splitting_short_ks():
@@ -219,3 +249,51 @@ def test_a_skinny_model_gives_every_skinny_linear_its_one_set_of_tickets():
             assert len(held) == 1 and isinstance(linears[0].tickets, Tickets)
         else:
             assert held == {id(None)}
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+def test_triton_engine_folds_its_norms_into_the_skinny_linears(tiny_checkpoint, monkeypatch):
+    """An engine whose decoder Linears run the skinny kernel (forced on CPU: the kernels
+    interpreted) runs each decode layer's two norms inside qkv and gate-up, K split with
+    the model's tickets, requests arriving a step apart; the tokens and float32 logprobs
+    are the plain engine's."""
+    import services.engine.model.layers as layers
+    import services.engine.model.llama as llama
+    import services.engine.model_runner as model_runner
+    from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
+
+    path = tiny_checkpoint("qwen3", hidden=512, intermediate=1024, layers=1)  # K splits at 512
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[11, 12, 13, 14], [21, 22], [31]]
+
+    def serve() -> list:
+        engine = LLMEngine(path, EngineConfig(device="cpu", max_num_batched_tokens=64))
+        pending, totals, done = list(enumerate(prompts)), OutputAccumulator(), {}
+        while pending or engine.has_unfinished_requests():
+            if pending:
+                i, prompt = pending.pop(0)
+                engine.add_request(str(i), prompt, params)
+            for out in totals.finished(engine.step()):
+                done[out.request_id] = out.outputs[0]
+        return [done[str(i)] for i in range(len(prompts))]
+
+    plain = serve()
+    on_cpu = lambda x: x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1  # noqa: E731
+    monkeypatch.setattr(layers, "takes", on_cpu)
+    monkeypatch.setattr(llama, "takes", on_cpu)
+    model = model_runner.LlamaFamilyForCausalLM
+    monkeypatch.setattr(
+        model_runner, "LlamaFamilyForCausalLM", lambda c, ctx, b, *_: model(c, ctx, b, True)
+    )
+    folded = []
+    fold = llama.skinny_norm_linear
+    monkeypatch.setattr(
+        llama, "skinny_norm_linear", lambda *a, **kw: folded.append(kw["tickets"]) or fold(*a, **kw)
+    )
+    skinny = serve()
+    assert folded and all(isinstance(t, Tickets) for t in folded)
+    for a, b in zip(skinny, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert [la[t] for t in la] == pytest.approx([lb[t] for t in la], abs=1e-4)
