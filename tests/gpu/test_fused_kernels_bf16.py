@@ -356,7 +356,9 @@ def test_skinny_norm_linear_matches_reference(dtype, m, k, n, gated, residual, s
     tickets = Tickets() if split else None
     got, stream = skinny_norm_linear_triton(x, res, norm_weight, 1e-6, w, None, gated, tickets)
     want, want_stream = skinny_norm_linear_reference(x, res, norm_weight, 1e-6, w, None, gated)
-    tol = TOL[dtype]
+    # bf16: the reference rounds the normed row twice, the kernel x ⊙ g once; over 30 seeds
+    # the 8B gate-up case's error reaches 0.85 of this bound (a CPU emulation of both)
+    tol = 3e-2 if dtype == torch.bfloat16 else TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert torch.equal(stream, want_stream)
 

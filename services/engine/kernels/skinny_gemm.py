@@ -153,7 +153,7 @@ if triton is not None:
             tl.store(part + tile, acc, mask=ok)
             if GATED:
                 tl.store(part + BLOCK_M * N + tile, acc_up, mask=ok)
-            if NORM:
+            if NORM:  # (every column block stores the same sums: they read the same x)
                 tl.store(ss_ptr + pid_k * BLOCK_M + rm, ss)
             # Every thread's partial stored before the ticket (`kernels/tickets.py`).
             tl.debug_barrier()

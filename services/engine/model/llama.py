@@ -240,11 +240,15 @@ class DecoderLayer(nn.Module):
     def folds_norms(self, x: torch.Tensor) -> bool:
         """Whether this step's norms run inside the Linears after them: the skinny kernel
         takes these rows (`EngineConfig.skinny_gemm`, a decode-size CUDA batch), qkv and
-        gate-up are its own plain Linears (an adapter's wrapper runs its own GEMM), and no
-        fused all-reduce does the adds."""
+        gate-up are its own plain Linears (an adapter's wrapper runs its own GEMM), no fused
+        all-reduce does the adds, and the model is not float16 (the kernel rounds x ⊙ g to
+        the model's dtype before it normalises, which float16's range may not hold)."""
         qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         plain = type(qkv) is type(gate_up) is MergedColumnParallelLinear
-        return plain and qkv.skinny and gate_up.skinny and not self.fuse_reduce and takes(x)
+        wide = x.dtype != torch.float16
+        return (
+            plain and qkv.skinny and gate_up.skinny and not self.fuse_reduce and wide and takes(x)
+        )
 
     def _add_norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor

@@ -262,8 +262,9 @@ def test_triton_engine_folds_its_norms_into_the_skinny_linears(tiny_checkpoint, 
     import services.engine.model_runner as model_runner
     from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 
-    path = tiny_checkpoint("qwen3", hidden=512, intermediate=1024, layers=1)  # K splits at 512
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    # K splits at 512; two layers, so the second adds its residual inside qkv
+    path = tiny_checkpoint("qwen3", hidden=512, intermediate=1024, layers=2)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [[11, 12, 13, 14], [21, 22], [31]]
 
     def serve() -> list:
