@@ -13,7 +13,7 @@
 #   LANES=1                                  one-GPU steps at once, one lane a GPU (below)
 #
 # Steps (GPUs needed; limit):
-#   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 420 s)
+#   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 540 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      decode.py: ceiling, Coxswain, with fused_decode_attention, and with it and
 #               skinny_gemm; Qwen3-0.6B and Llama-3-8B, batch 1/8/32/128 (1; 360 s)
@@ -38,7 +38,8 @@
 # LANES=1 on a host of several GPUs runs the one-GPU steps asked for at the same time, in a
 # lane a GPU (this script again, with OUT/gpuN), the longest first onto the lane with the
 # least to do; then the other steps, in order. Four GPUs take the one-GPU steps in about
-# the time of the busiest lane (decode and steering share one). The lanes share the host's CPU, so a host-bound number measured
+# the time of the busiest lane (tests alone; profile and steering share one). The lanes
+# share the host's CPU, so a host-bound number measured
 # this way may read worse than on a quiet host: time the step alone for one you report.
 set -uo pipefail
 
@@ -65,7 +66,7 @@ failed=0
 interrupted=0
 
 # The one-GPU steps and their limits (`run` reads them here), for LANES.
-declare -A ONE_GPU=([tests]=420 [decode]=360 [profile]=260 [steering]=240 [capture]=360)
+declare -A ONE_GPU=([tests]=540 [decode]=360 [profile]=260 [steering]=240 [capture]=360)
 
 # lanes: run the one-GPU steps of `steps` in a lane a GPU, and leave the rest in `steps`.
 # Lane N (OUT/gpuN) runs on the Nth GPU this process sees (its id in CUDA_VISIBLE_DEVICES).
