@@ -25,7 +25,8 @@
 #               32 and 128 (Llama-3-8B shape), K = 1 (1; 360 s)
 #   tp          decode.py --parallel 2x1,2x1f,1x2 on the Llama-3-8B shape (2; 300 s)
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
-#   routing     only when named: the routing study's device headline, 8 runs a GPU, resumed
+#   routing     only when named: the routing study's device headline, 8 runs a GPU
+#               (ROUTING_JOBS=N: N runs at once, over all the GPUs), resumed
 #               into ROUTING_JSONL (default docs/routing_study/device-carry.jsonl, copied
 #               into OUT after: put it back there before the next run) for the rest of the
 #               budget (1; what is left)
@@ -207,7 +208,7 @@ run() {
         local records=${ROUTING_JSONL:-docs/routing_study/device-carry.jsonl}
         local rest=$((BUDGET_S - (SECONDS - start)))
         step routing 1 $((rest > 60 ? rest : 60)) python3 benchmarks/routing_study.py \
-            --env checksum-carry --device cuda --jobs $((8 * gpus)) --resume \
+            --env checksum-carry --device cuda --jobs "${ROUTING_JOBS:-$((8 * gpus))}" --resume \
             --base docs/routing_study/bases/checksum-carry --jsonl "$records"
         # The records so far, beside the logs (the study is stopped at the budget, mid-run).
         if [ -f "$records" ]; then cp "$records" "$OUT/"; fi ;;
