@@ -25,8 +25,8 @@ split-K needs a second, reducing kernel for that.
 `skinny_norm_linear` also folds the RMSNorm before the Linear (and the residual add before
 the norm) into its launch: `RMSNorm(x) Wᵀ = r · ((x ⊙ g) Wᵀ)` with `r` a row's scalar, so
 each program weights its tiles of x by the norm's weight, sums their squares, and scales
-the finished sums by `r`. A decoder layer's two norm kernels go (`DecoderLayer.
-forward_fused`).
+the finished sums by `r`. So a decoder layer launches no norm kernel of its own
+(`DecoderLayer.forward_fused`).
 
 Off unless `EngineConfig.skinny_gemm` is set (CUDA only), until its speed against cuBLAS
 has been measured on the GPUs we serve on (`benchmarks/decode.py --systems
