@@ -288,8 +288,9 @@ def load_adapters(llm: LLM, count: int, scale: float, seed: int) -> None:
 DECODE_SLACK = 16
 
 
-# Engine stats of capture's way to the host, taken per config over its timed decode steps.
-DRAIN_STATS = (
+# Engine stats taken per config over its timed decode steps: how the steps ran (graphs by
+# kind, eager) and capture's way to the host.
+STEP_STATS = (
     "capture_drain_blocks", "capture_drain_copy_wait_s", "capture_drain_move_s",
     "capture_drain_lag_s", "num_capture_host_waits", "capture_host_wait_s",
     "num_capture_host_misses", "num_graph_steps", "num_steered_graph_steps",
@@ -315,8 +316,8 @@ def decode_rates(
     all steps. With overlapped steps a step takes the larger of the two. `actions`:
     engine actions submitted before a config runs and after it (monitors). `profile`: one
     more, untimed pass per config with its steps under cProfile (`profile_text`), in
-    `profile/decode-<config>.txt`. Last, per config, the capture counters of its timed
-    steps (`DRAIN_STATS`, summed over its passes)."""
+    `profile/decode-<config>.txt`. Last, per config, the step and capture counters of its timed
+    steps (`STEP_STATS`, summed over its passes)."""
     waited = [0.0]
     result = PendingStep.result
 
@@ -332,7 +333,7 @@ def decode_rates(
     step_s: dict[str, list[float]] = {name: [] for name in configs}
     host_s: dict[str, list[float]] = {name: [] for name in configs}
     gpu_ms: dict[str, float] = {}
-    drains = {name: dict.fromkeys(DRAIN_STATS, 0.0) for name in configs}
+    per_config = {name: dict.fromkeys(STEP_STATS, 0.0) for name in configs}
     PendingStep.result = timed_result
     actions = actions or {}
     for rep in range(repeats + (profile is not None)):
@@ -374,8 +375,8 @@ def decode_rates(
                 rate = len(prompts) * steps / (time.perf_counter() - start)
                 best[name] = max(best[name], rate)
                 after_stats = engine.stats()
-                for key in DRAIN_STATS:
-                    drains[name][key] += after_stats[key] - before_stats[key]
+                for key in STEP_STATS:
+                    per_config[name][key] += after_stats[key] - before_stats[key]
                 ms = replay_ms(engine.runner, len(prompts), graph_kind(engine.runner, counts))
                 if ms is not None:
                     gpu_ms[name] = min(gpu_ms.get(name, ms), ms)
@@ -388,7 +389,7 @@ def decode_rates(
     PendingStep.result = result
     median = {name: len(prompts) / statistics.median(ts) for name, ts in step_s.items()}
     host_ms = {name: 1e3 * statistics.median(ts) for name, ts in host_s.items()}
-    return median, best, gpu_ms, host_ms, drains
+    return median, best, gpu_ms, host_ms, per_config
 
 
 def graph_counts(runner: Any) -> dict[str, int]:
@@ -722,7 +723,7 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         extra = read_back_configs(vectors, layers, L, args.scale, n_out, args.adapters)
         decode_configs |= {name: params for name, (params, _, _) in extra.items()}
         actions = {name: (before, after) for name, (_, before, after) in extra.items()}
-        rates, best, gpu_ms, host_ms, drains = decode_rates(
+        rates, best, gpu_ms, host_ms, per_config = decode_rates(
             llm, work, decode_configs, args.decode_steps, args.repeats, device, actions,
             profile=args.profile,
         )  # fmt: skip
@@ -753,13 +754,13 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         )
         # How each config's timed steps ran: an eager step costs the host a whole forward
         # pass of launches, so a config that fell off its graphs reads as host-bound.
-        for name, d in drains.items():
+        for name, d in per_config.items():
             print(
                 f"{name}: timed steps on graphs {d['num_graph_steps']:.0f} (steered"
                 f" {d['num_steered_graph_steps']:.0f}, capturing"
                 f" {d['num_capture_graph_steps']:.0f}), eager {d['num_eager_steps']:.0f}"
             )
-        for name, d in drains.items():  # where each capturing config's rows went
+        for name, d in per_config.items():  # where each capturing config's rows went
             if blocks := d["capture_drain_blocks"]:
                 per = {
                     k: 1e3 * d[f"capture_drain_{k}_s"] / blocks
@@ -773,7 +774,7 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
                     f" {d['num_capture_host_waits']:.0f} times, {d['capture_host_wait_s']:.2f} s;"
                     f" blocks outside the pinned reserve: {d['num_capture_host_misses']:.0f}"
                 )
-        if any(d["capture_drain_blocks"] for d in drains.values()):
+        if any(d["capture_drain_blocks"] for d in per_config.values()):
             print(f"transparent huge pages: {transparent_huge_pages()}")
         if args.adapters:  # they must change outputs, or a no-op adapter path looks free
             name = f"adapters x{args.adapters}"

@@ -159,7 +159,7 @@ def test_interpreted_one_kernel_decode_merges_like_two(hq, hkv, d, page, window,
         case[-1].copy_(torch.tensor(lens_now, dtype=torch.int32))
         want = decode_attention_triton(*case, 0.1, window, num_splits=splits)
         got = decode_attention_triton(*case, 0.1, window, num_splits=splits, tickets=tickets)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # float32, other kernels
         ref = decode_attention_reference(*case, 0.1, window)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         assert not tickets.any(), "a ticket was left drawn"
