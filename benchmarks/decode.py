@@ -458,6 +458,11 @@ def main(argv: list[str] | None = None) -> None:
                     results.setdefault(system + "+iv", {})[b] = bench_coxswain(
                         engine, prompts[b], args.steps, interventions=True
                     )
+            stats = engine.stats()  # a fast path that fell back to eager steps shows here
+            print(
+                f"{system}: {stats['num_graph_steps']} graph steps, "
+                f"{stats['num_eager_steps']} eager, of {stats['num_steps']}"
+            )
             del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -147,6 +147,8 @@ def test_one_kernel_decode_survives_many_racing_launches():
 
 
 def test_decode_tickets_cannot_grow_inside_a_capture():
+    """Asked for on `cuda`, the buffer made for the tensors on `cuda:0` is the one found
+    (a mismatch once made a new buffer at every call: a graph would hold a stale one)."""
     tickets = Tickets()
     tickets.get(8, torch.device("cuda"))
     graph = torch.cuda.CUDAGraph()
@@ -154,6 +156,7 @@ def test_decode_tickets_cannot_grow_inside_a_capture():
         tickets.get(10_000, torch.device("cuda"))
     kept = tickets.get(8, torch.device("cuda"))  # and within its size, it is the same buffer
     assert kept.data_ptr() == tickets.get(1000, torch.device("cuda")).data_ptr()
+    assert kept.data_ptr() == tickets.get(1000, torch.device("cuda", 0)).data_ptr()
 
 
 def test_one_kernel_decode_replays_in_a_cuda_graph():

@@ -100,12 +100,15 @@ def test_parallel_decode_replays_graphs_like_one_gpu(checkpoint, tp, pp, caplog)
             torch.testing.assert_close(g["captures"][key], t, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("tp,dtype", [(2, "float32"), (2, "bfloat16"), (4, "bfloat16")])
+@pytest.mark.parametrize(
+    "tp,dtype", [(2, "float32"), (2, "bfloat16"), (4, "float32"), (4, "bfloat16")]
+)
 def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, tmp_path, tp, dtype):
     """`fused_all_reduce_norm`: a TP replica whose plain steps all-reduce inside the norm
     after each sub-block (one kernel over symmetric memory, in the decode graphs too) gives
     the tokens and logprobs of a TP replica that keeps them apart, and of one GPU. Four
-    ranks push their rows to three peers each (the 70B shape's TP=4)."""
+    ranks push their rows to three peers each (the 70B shape's TP=4): float32 shows the
+    kernel exact up to summation order there, as at TP=2."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA devices")
     if tp == 4:  # every rank keeps whole KV heads
@@ -125,10 +128,12 @@ def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, tmp_
     assert together["graph_steps"] > 0 and together["graph_steps"] == apart["graph_steps"]
     # Float32: only the summation order differs, so the tokens are the same and the logprobs
     # within 1e-3. Bf16: the TP split itself rounds partial sums that one GPU never rounds,
-    # so the fused kernel may differ from one GPU by what the unfused replica does, and from
-    # the unfused replica by no more than that. A greedy token may then flip where the
-    # reference ranked the two closer than both runs' deviations added (twice the
-    # comparison's tolerance: a tiny random model's logits are nearly flat), never elsewhere.
+    # and the two replicas round them differently (NCCL's sum in bf16, the fused kernel's in
+    # float32 and once), so each may differ from one GPU by what the unfused replica does,
+    # `split`, and from each other by both deviations added (on four ranks, 2026-11-27: the
+    # replicas 0.48 apart where the unfused one was 0.37 from one GPU). A greedy token may
+    # flip where the reference ranked the two closer than both runs' deviations added (a
+    # tiny random model's logits are nearly flat), never elsewhere.
     split, split_flips = _compare(apart, one)
     fused_gap, fused_flips = _compare(together, apart)
     gap, flips = _compare(together, one)
@@ -138,10 +143,12 @@ def test_fused_all_reduce_norm_decodes_like_the_unfused_replica(checkpoint, tmp_
     else:
         tol = max(5e-2, split)
         assert all(m <= 2 * tol for m in split_flips), split_flips
-        assert all(m <= 2 * tol for m in fused_flips), fused_flips
+        assert all(m <= 4 * tol for m in fused_flips), fused_flips  # two gaps of 2 tol
         assert all(m <= 2 * (tol + split) for m in flips), flips
-    assert fused_gap <= tol, f"fused vs unfused TP {fused_gap:.4f}, TP vs one GPU {split:.4f}"
-    assert gap <= tol + split
+    gaps = f"fused vs unfused TP {fused_gap:.4f}, vs one GPU {gap:.4f}; unfused vs one {split:.4f}"
+    print(f"tp={tp} {dtype}: {gaps}")
+    assert fused_gap <= (tol if dtype == "float32" else 2 * tol), gaps
+    assert gap <= tol + split, gaps
 
 
 def _compare(a: dict, b: dict) -> tuple[float, list[float]]:

@@ -32,7 +32,9 @@ class Tickets:
         self._retired: list[torch.Tensor] = []  # earlier buffers, which graphs may read
 
     def get(self, count: int, device: torch.device) -> torch.Tensor:
-        """At least `count` zeroed counters on `device`."""
+        """At least `count` zeroed counters on `device` (`cuda` is the current CUDA device)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         t = self._tickets
         if t is None or t.numel() < count or t.device != device:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
