@@ -193,10 +193,13 @@ def test_only_the_driver_rank_keeps_captures(checkpoint, rank):
 
 def test_a_replica_past_its_time_says_where_every_rank_waits(checkpoint, capfd):
     """A hung replica is a failure with every rank's stacks (printed before the parent gives
-    up), not a silent timeout: the driver's stack names the function it is stuck in."""
-    with pytest.raises(RuntimeError, match="did not finish within 6 s"):
+    up), not a silent timeout: the driver's stack names the function it is stuck in. The
+    stacks come 5 s before the timeout, counted from each rank's start: 7 s leaves a loaded
+    machine time to build the engine first (a 6 s timeout, stacks at 1 s, once caught a
+    driver still starting up)."""
+    with pytest.raises(RuntimeError, match="did not finish within 12 s"):
         launch_local(
-            str(checkpoint), 2, 1, parallel_workload.stalled, engine_config=CONFIG, timeout_s=6
+            str(checkpoint), 2, 1, parallel_workload.stalled, engine_config=CONFIG, timeout_s=12
         )
     err = capfd.readouterr().err
     assert "in stalled" in err and err.count("Current thread") + err.count("Thread 0x") >= 2
