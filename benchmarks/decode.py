@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
             stats = engine.stats()  # a fast path that fell back to eager steps shows here
             print(
                 f"{system}: {stats['num_graph_steps']} graph steps, "
-                f"{stats['num_eager_steps']} eager, of {stats['num_steps']}"
+                f"{stats['num_eager_steps']} eager (prefills included), of {stats['num_steps']}"
             )
             del engine
         if device.type == "cuda":

@@ -282,7 +282,7 @@ def linger(seconds: float, ready) -> None:
 
 def stalled(engine) -> str:
     """A driver that stops stepping for 20 s (its peers wait for its next broadcast): past
-    a 12 s replica timeout, whose stack dump comes 5 s before it."""
+    the caller's timeout (12 s), whose stack dump comes 5 s before it."""
     time.sleep(20)
     return "late"
 

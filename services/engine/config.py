@@ -102,17 +102,18 @@ class EngineConfig:
     # the partials: no reduce kernel), to keep more loads in flight, and runs each layer's
     # two RMSNorms (and their residual adds) inside the qkv and gate-up launches. Measured
     # on one H200 with fused_decode_attention: 0.79x at batch 1 on the Qwen3-0.6B shape and
-    # 0.44x on the Llama-3-8B shape; its kernels take 1.8x cuBLAS's device time (cause
-    # still open, benchmarks/README.md). It stays off.
+    # 0.44x on the Llama-3-8B shape. On the 0.6B shape its kernels take 1.8x cuBLAS's device
+    # time, and its step far more than that (what the GPU waits for is still open:
+    # benchmarks/README.md). It stays off.
     skinny_gemm: bool = False
     # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
     # RoPE and the K/V cache write happen in the attention kernel's programs, and the last
     # split of each request x KV head to finish merges the splits
     # (kernels/decode_attention.py: `decode_rope_attention_triton`; kernels/tickets.py). Two
-    # launches fewer a layer (56 a step on a 28-layer model). Measured on one H200: 1.00x at
-    # batch 1, 1.01-1.04x at batch 8-128 on both shapes (benchmarks/decode.py's coxswain-fa
-    # row); its kernel tests pass on a GPU, its engine parity tests (tests/gpu) have not run
-    # yet, so it stays off until they do.
+    # launches fewer a layer (56 a step on a 28-layer model). Measured on one H200: 0.99-1.00x
+    # at batch 1, 1.00-1.04x at batch 8-128 (benchmarks/decode.py's coxswain-fa row). Its
+    # kernel tests pass on a GPU; its engine parity tests (tests/gpu) have not run yet, so it
+    # stays off until they do.
     # Where attention runs on SDPA (CPU, or a head dim that is not a power of two) asking
     # for it is an error at start, not a setting quietly ignored.
     fused_decode_attention: bool = False

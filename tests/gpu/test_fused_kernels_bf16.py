@@ -147,8 +147,9 @@ def test_one_kernel_decode_survives_many_racing_launches():
 
 
 def test_decode_tickets_cannot_grow_inside_a_capture():
-    """Asked for on `cuda`, the buffer made for the tensors on `cuda:0` is the one found
-    (a mismatch once made a new buffer at every call: a graph would hold a stale one)."""
+    """The counters may not grow inside a capture (a graph would keep a freed buffer's
+    address); within their size the same buffer comes back, whether asked for on `cuda` or
+    `cuda:0` (a bare `cuda` once made a new buffer at every call)."""
     tickets = Tickets()
     tickets.get(8, torch.device("cuda"))
     graph = torch.cuda.CUDAGraph()
