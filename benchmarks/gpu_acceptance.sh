@@ -13,7 +13,9 @@
 #   LANES=1                                  one-GPU steps at once, one lane a GPU (below)
 #
 # Steps (GPUs needed; limit):
-#   tests       the one-GPU tests: tests/gpu and the bf16 ones (1; 540 s)
+#   tests       the one-GPU engine tests: tests/gpu (but the kernel files) and the bf16
+#               integration ones (1; 540 s)
+#   tests-kernels  the Triton kernels' bf16 tests in tests/gpu, each variant compiled (1; 480 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      decode.py: ceiling, Coxswain, with fused_decode_attention, and with it and
 #               skinny_gemm; Qwen3-0.6B and Llama-3-8B, batch 1/8/32/128 (1; 360 s)
@@ -44,7 +46,7 @@
 # this way may read worse than on a quiet host: time the step alone for one you report.
 set -uo pipefail
 
-STEPS=(tests tests-nccl decode profile steering capture tp 70b routing)
+STEPS=(tests tests-kernels tests-nccl decode profile steering capture tp 70b routing)
 OUT=${OUT:-runs/gpu-acceptance}
 BUDGET_S=${BUDGET_S:-1500}
 steps=("$@")
@@ -67,7 +69,12 @@ failed=0
 interrupted=0
 
 # The one-GPU steps and their limits (`run` reads them here), for LANES.
-declare -A ONE_GPU=([tests]=540 [decode]=360 [profile]=260 [steering]=240 [capture]=360)
+declare -A ONE_GPU=(
+    [tests]=540 [tests-kernels]=480 [decode]=360 [profile]=260 [steering]=240 [capture]=360
+)
+# The kernel test files (`tests-kernels`); `tests` runs the rest of tests/gpu.
+KERNEL_TESTS=(tests/gpu/test_fused_kernels_bf16.py tests/gpu/test_patch_kernel_bf16.py
+    tests/gpu/test_steer_kernel_bf16.py)
 
 # lanes: run the one-GPU steps of `steps` in a lane a GPU, and leave the rest in `steps`.
 # Lane N (OUT/gpuN) runs on the Nth GPU this process sees (its id in CUDA_VISIBLE_DEVICES).
@@ -164,10 +171,13 @@ both='rc=0; for c in "$@"; do bash -c "$c" || rc=$?; done; exit $rc'
 
 run() {
     case $1 in
-    tests)
-        step tests 1 "${ONE_GPU[tests]}" env "$one" python3 -m pytest -q tests/gpu \
-            --deselect tests/gpu/test_parallel_nccl.py \
+    tests)  # -v: a step stopped at its limit still names every test that failed before
+        step tests 1 "${ONE_GPU[tests]}" env "$one" python3 -m pytest -v -rfE tests/gpu \
+            --deselect tests/gpu/test_parallel_nccl.py "${KERNEL_TESTS[@]/#/--deselect=}" \
             tests/integration/test_oracle_bf16.py tests/integration/test_steering_bf16.py ;;
+    tests-kernels)
+        step tests-kernels 1 "${ONE_GPU[tests-kernels]}" env "$one" python3 -m pytest -v -rfE \
+            "${KERNEL_TESTS[@]}" ;;
     tests-nccl)
         step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
