@@ -19,8 +19,8 @@
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      decode.py: ceiling, Coxswain, with fused_decode_attention, and with it and
 #               skinny_gemm; Qwen3-0.6B and Llama-3-8B, batch 1/8/32/128 (1; 360 s)
-#   profile     profile_decode.py's kernel table and host stages (plain, and with per-token
-#               capture), and the Llama-3-8B batch-256 step (1; 260 s)
+#   profile     profile_decode.py's kernel table, host stages and host functions (plain, and
+#               with per-token capture), and the Llama-3-8B batch-256 step (1; 260 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
 #   capture     host_copy.py on this host (the Llama-3-8B batch-128 block), then
 #               steering_overhead.py's capture rows at batch 32 (Qwen3-0.6B shape) and at
@@ -187,8 +187,10 @@ run() {
             "$d --shape qwen3-0.6b" "$d --shape llama3-8b" ;;
     profile)
         step profile 1 "${ONE_GPU[profile]}" bash -c "$both" profile \
-            "$one python3 benchmarks/profile_decode.py --batch-sizes 1,32,128" \
-            "$one python3 benchmarks/profile_decode.py --batch-sizes 32,128 --capture" \
+            "$one python3 benchmarks/profile_decode.py --batch-sizes 1,32,128 \
+                --cprofile $(printf %q "$OUT/host")" \
+            "$one python3 benchmarks/profile_decode.py --batch-sizes 32,128 --capture \
+                --cprofile $(printf %q "$OUT/host")" \
             "$one python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
                 --batch-sizes 256 --profile $(printf %q "$OUT/profile-b256")" ;;
     steering)

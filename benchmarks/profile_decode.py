@@ -15,10 +15,12 @@ measures the engine decoding it, as `LLM.generate` has it. `--capture` has every
 capture post_block of every layer at every generated token (per-token capture's host
 cost). `--device cpu` times the host's stages only, on a two-layer model (the forward small
 beside the host's work). The startup heap is frozen, as `coxswain serve` freezes it
-(`services/engine/heap.py`).
+(`services/engine/heap.py`). `--cprofile DIR` also writes a cProfile of the timed steps per
+batch size: which functions a stage's milliseconds are.
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py
     PYTHONPATH=. python3 benchmarks/profile_decode.py --device cpu --engine-detokenizes
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --batch-sizes 32 --capture --cprofile DIR
 
 Prints numbers only; it is never a pass/fail test.
 """
@@ -27,12 +29,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import random
 import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,6 +132,23 @@ def kernels_and_syncs(engine: LLMEngine, top_kernels: int) -> None:
         print(f"    {e.count / 10:6.1f}  {us:8.1f} µs  {e.key[:100]}")
 
 
+def host_functions(engine: LLMEngine, steps: int, path: Path) -> None:
+    """cProfile of `steps` engine steps, the 40 costliest functions by their own time and by
+    time inside them, per step, written to `path`: which functions a stage's milliseconds
+    are (the drain thread's work is not in it: cProfile follows this thread only)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    out = io.StringIO()
+    out.write(f"cProfile of {steps} decode steps (divide the times by {steps} for a step)\n")
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out.getvalue())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -138,6 +161,11 @@ def main() -> None:
     )
     p.add_argument(
         "--top-kernels", type=int, default=25, help="kernels listed per batch size (CUDA)"
+    )
+    p.add_argument(
+        "--cprofile",
+        type=Path,
+        help="also write a cProfile of the timed steps per batch size here (host functions)",
     )
     args = p.parse_args()
     cuda = args.device == "cuda"
@@ -190,6 +218,10 @@ def main() -> None:
                 engine.step()
         parts = ", ".join(f"{name} {1e3 * totals[name] / n:.3f}" for _, name in STAGES)
         print(f"  host ms/step by stage: {parts}")
+        if args.cprofile is not None:
+            path = args.cprofile / f"batch{batch}{'-capture' if args.capture else ''}.txt"
+            host_functions(engine, n, path)
+            print(f"  host functions: {path}")
         for rid in rids:
             engine.abort(rid)
         engine.step()
