@@ -253,34 +253,45 @@ if triton is not None:
         part_out_ptr, part_lse_ptr, out_ptr, b, kvh, num_splits, stride_ob, stride_oh,
         GROUP: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ):  # fmt: skip
-        """The splits of one KV head's query heads merged by their log-sum-exp into `out`,
-        as `_merge_kernel` merges them: each head's splits read as one tile (the heads'
-        loads independent of each other). Loads bypass L1 (`.cg`): the other programs'
-        partials are in L2, not in this SM's cache."""
-        sp = tl.arange(0, SPLITS_PAD)
-        ok = sp < num_splits
-        dd = tl.arange(0, D)
+        """The splits of one KV head's query heads merged into `out`, as `_merge_kernel`
+        merges one head's (the heads' loads independent of each other). Loads bypass L1
+        (`.cg`): the other programs' partials are in L2, not in this SM's cache."""
         for g in tl.static_range(GROUP):
             h = kvh * GROUP + g
             row = b * tl.num_programs(1) * GROUP + h
-            lse = tl.load(
-                part_lse_ptr + row * num_splits + sp,
-                mask=ok,
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            top = tl.max(lse, 0)
-            w = tl.where(ok & (lse > float("-inf")), tl.exp(lse - top), 0.0)
-            total = tl.sum(w, 0)
-            parts = tl.load(
-                part_out_ptr + (row * num_splits + sp)[:, None] * D + dd[None, :],
-                mask=ok[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-            dst = out_ptr + b * stride_ob + h * stride_oh + dd
-            tl.store(dst, o.to(out_ptr.dtype.element_ty))
+            _merge_head(
+                part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob + h * stride_oh, row,
+                num_splits, D, SPLITS_PAD, ".cg",
+            )  # fmt: skip
+
+    @triton.jit
+    def _merge_head(
+        part_out_ptr, part_lse_ptr, out_at, row, num_splits,
+        D: tl.constexpr, SPLITS_PAD: tl.constexpr, CACHE: tl.constexpr,
+    ):  # fmt: skip
+        """One head's splits (partials `row` of `part_out`, `part_lse`) merged by their
+        log-sum-exp into `out_at` [D], each read as one tile; `CACHE`: the loads' cache
+        modifier ("" the default)."""
+        sp = tl.arange(0, SPLITS_PAD)
+        ok = sp < num_splits
+        dd = tl.arange(0, D)
+        lse = tl.load(
+            part_lse_ptr + row * num_splits + sp,
+            mask=ok,
+            other=float("-inf"),
+            cache_modifier=CACHE,
+        )
+        top = tl.max(lse, 0)
+        w = tl.where(ok & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+        total = tl.sum(w, 0)
+        parts = tl.load(
+            part_out_ptr + (row * num_splits + sp)[:, None] * D + dd[None, :],
+            mask=ok[:, None],
+            other=0.0,
+            cache_modifier=CACHE,
+        )
+        o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_at + dd, o.to(out_at.dtype.element_ty))
 
     @triton.jit
     def _merge_kernel(
@@ -296,20 +307,8 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         row = b * tl.num_programs(1) + h
-        sp = tl.arange(0, SPLITS_PAD)
-        ok = sp < num_splits
-        lse = tl.load(part_lse_ptr + row * num_splits + sp, mask=ok, other=float("-inf"))
-        top = tl.max(lse, 0)
-        w = tl.where(ok & (lse > float("-inf")), tl.exp(lse - top), 0.0)
-        total = tl.sum(w, 0)
-        dd = tl.arange(0, D)
-        parts = tl.load(
-            part_out_ptr + (row * num_splits + sp)[:, None] * D + dd[None, :],
-            mask=ok[:, None],
-            other=0.0,
-        )
-        o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + dd, o.to(out_ptr.dtype.element_ty))
+        out_at = out_ptr + b * stride_ob + h * stride_oh
+        _merge_head(part_out_ptr, part_lse_ptr, out_at, row, num_splits, D, SPLITS_PAD, "")
 
 
 def decode_attention_triton(
