@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ import torch
 HUGE_BYTES = 4 << 20  # below this, the allocator's own memory (often already touched)
 
 _ADVISE = getattr(mmap, "MADV_HUGEPAGE", None)
+# data_ptr -> the mapping of each live `host_empty` tensor on one (for `host_prefix`)
+_MAPPINGS: dict[int, mmap.mmap] = {}
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -62,4 +65,26 @@ def _mapped(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Te
         return None
     mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(_ADVISE)
-    return torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
+    t = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
+    _MAPPINGS[t.data_ptr()] = mapping
+    weakref.finalize(t, _MAPPINGS.pop, t.data_ptr(), None)
+    return t
+
+
+def host_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """`t[j, :n]` for each `j` of a `host_empty` tensor `t` of shape `[K, rows, ...]`, each
+    on a storage of its own holding those rows alone: each is contiguous, and pickled (to
+    another process) sends its own rows, where a view `t[j, :n]` would send all of `t`.
+    No copy where `t` is on a mapping (its slices of it); a copy of the rows where `t` is
+    smaller than `HUGE_BYTES`."""
+    mapping = _MAPPINGS.get(t.data_ptr())
+    if mapping is None:
+        return [t[j, :n].clone() for j in range(len(t))]
+    row = math.prod(t.shape[2:])
+    stride = t.shape[1] * row * t.dtype.itemsize
+    return [
+        torch.frombuffer(mapping, dtype=t.dtype, count=n * row, offset=j * stride).view(
+            n, *t.shape[2:]
+        )
+        for j in range(len(t))
+    ]

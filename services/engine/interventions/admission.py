@@ -261,11 +261,13 @@ class RequestAdmission:
         self.tables.write_row(row, content)
         return row
 
-    def release(self, group: RequestGroup) -> None:
-        """Return a finished request's rows and forget its captures."""
+    def release(self, group: RequestGroup, keep_captures: bool = False) -> None:
+        """Return a finished request's rows and forget its captures (with `keep_captures`,
+        not yet: `drop_captures` once they are delivered)."""
         self.planner.invalidate()
         self.requests.pop(group.request_id, None)
-        self.sink.drop(group.request_id)
+        if not keep_captures:
+            self.sink.drop(group.request_id)
         iv = group.interventions
         if iv is None:
             return
@@ -291,6 +293,15 @@ class RequestAdmission:
             for seq in group.seqs:  # gate bits now mean other gates
                 seq.latched = 0
         iv.override, iv.override_row = None, None
+
+    def drop_captures(self, group: RequestGroup) -> None:
+        """Forget a released request's captures (delivered)."""
+        self.sink.drop(group.request_id)
+
+    def captures_ready(self, group: RequestGroup) -> bool:
+        """Whether a finished request's captures are all on the host (its last decode
+        blocks' rows may still be on their way: `captures` would wait for them)."""
+        return self.sink.ready(group.request_id)
 
     def captures(self, group: RequestGroup) -> tuple[dict[str, torch.Tensor], list[int]] | None:
         """A finished request's captures; with sink "patch_store", written as its run first."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from services.engine.interventions.actions import ACTION_TYPES, ActionQueue
-from services.engine.interventions.capture import CaptureSink
+from services.engine.interventions.capture import BlockWrite, CaptureSink
 from services.engine.interventions.consumers import (
     ConsumerTiming,
     RequestSpan,
@@ -125,18 +125,22 @@ class StepObserver:
         self.num_eager_captures += sum(len(p) for _, p in next(iter(step.capture_meta.values())))
 
     def _write_block(self, sched: SchedulerOutput, step: StepInterventions) -> None:
-        """The step's capture block, one sink call per capturing request."""
+        """The step's capture block, one sink call for all its capturing requests."""
         block = step.captured_block
         assert block is not None, "collect() gives every block-capturing step its block"
-        write, scheduled, written = self.sink.write_block, sched.scheduled, 0
+        scheduled, writes = sched.scheduled, []
         for row, (i, position) in enumerate(step.block_captures):  # 128 a step at batch 128
             seq = scheduled[i].seq
             if seq.is_finished:
                 continue
             group = seq.group
-            write(group.request_id, position, block, row, group.interventions.capture.keys)
-            written += 1
-        self.num_block_captures += written
+            capture = group.interventions.capture
+            rows = group.params.max_tokens  # a decode position a generated token at most
+            writes.append(
+                BlockWrite(group.request_id, position, row, capture.keys, capture.dtype, rows)
+            )
+        self.sink.write_block(block, writes)
+        self.num_block_captures += len(writes)
 
     def _latch_decode(self, sched: SchedulerOutput, step: StepInterventions) -> None:
         """`_latch` for an all-decode step, whose gated requests have one token each at their

@@ -1,9 +1,15 @@
 """The inline capture sink assembles a request's rows from shared decode blocks and eager
-copies: each key's rows in position order, in the dtype asked for."""
+copies: each key's rows in position order, in the dtype asked for. Block rows go into each
+request's own buffer on the sink's thread as they come, so a finished request's result is
+a view of its rows, not a copy made when it finishes."""
 
+import pickle
+import threading
+
+import pytest
 import torch
 
-from services.engine.interventions.capture import InlineCaptureSink
+from services.engine.interventions.capture import BlockWrite, InlineCaptureSink
 from services.engine.interventions.planner import CapturedBlock
 from services.engine.kernels.capture import capture_slot
 
@@ -22,7 +28,7 @@ def _blocks(n: int, dtype: torch.dtype = torch.float32) -> list[CapturedBlock]:
 def test_block_rows_come_back_per_key_in_position_order():
     sink, blocks = InlineCaptureSink(), _blocks(4)
     for p, block in reversed(list(enumerate(blocks))):  # written out of order
-        sink.write_block("r", 10 + p, block, 2, KEYS)
+        sink.write_block(block, [BlockWrite("r", 10 + p, 2, KEYS, torch.float32)])
     got = sink.result("r")
     assert got is not None
     rows, positions = got
@@ -36,7 +42,7 @@ def test_a_subset_of_the_blocks_keys_in_another_order_reads_their_columns():
     sink, blocks = InlineCaptureSink(), _blocks(3)
     keys = ["1.post_block", "0.post_attn"]  # columns 3 and 0
     for p, block in enumerate(blocks):
-        sink.write_block("r", p, block, 1, keys)
+        sink.write_block(block, [BlockWrite("r", p, 1, keys, torch.float32)])
     rows, _ = sink.result("r")
     assert torch.equal(rows["1.post_block"], torch.stack([b.host[1, 3] for b in blocks]))
     assert torch.equal(rows["0.post_attn"], torch.stack([b.host[1, 0] for b in blocks]))
@@ -48,7 +54,7 @@ def test_bf16_blocks_widen_exactly_and_eager_positions_fill_their_place():
     for key in KEYS:  # the prompt's last token, copied eagerly
         sink.write("r", key, [4], eager + KEYS.index(key))
     for p, block in enumerate(blocks):
-        sink.write_block("r", 5 + p, block, 0, KEYS)
+        sink.write_block(block, [BlockWrite("r", 5 + p, 0, KEYS, torch.float32)])
     rows, positions = sink.result("r", torch.float32)
     assert positions == [4, 5, 6]
     for j, key in enumerate(KEYS):
@@ -61,9 +67,67 @@ def test_a_position_recomputed_through_a_block_replaces_its_eager_copy():
     sink, blocks = InlineCaptureSink(), _blocks(1)
     for key in KEYS:
         sink.write("r", key, [0], torch.full((1, H), 7.0))
-    sink.write_block("r", 0, blocks[0], 1, KEYS)
+    sink.write_block(blocks[0], [BlockWrite("r", 0, 1, KEYS, torch.float32)])
     rows, positions = sink.result("r")
     assert positions == [0]
     assert torch.equal(rows["1.post_attn"][0], blocks[0].host[1, 2])
     sink.drop("r")
     assert sink.result("r") is None
+
+
+def test_a_generation_is_its_own_rows_without_a_copy_and_pickles_only_them():
+    """Three requests share each step's block; each gets its rows in order, grown past the
+    first buffer (doubling): each key's rows contiguous, on the request's buffer (no copy
+    when it finishes), pickling to those rows alone."""
+    sink, steps = InlineCaptureSink(), 150  # past _BlockRows.FIRST_ROWS
+    g = torch.Generator().manual_seed(1)
+    blocks = [
+        CapturedBlock(torch.randn(3, len(SLOTS), 1024, generator=g), SLOTS) for _ in range(steps)
+    ]
+    for p, block in enumerate(blocks):
+        sink.write_block(
+            block, [BlockWrite(r, 7 + p, row, KEYS, torch.float32) for row, r in enumerate("abc")]
+        )
+    for row, r in enumerate("abc"):
+        rows, positions = sink.result(r)
+        assert positions == list(range(7, 7 + steps))
+        for j, key in enumerate(KEYS):
+            assert torch.equal(rows[key], torch.stack([b.host[row, j] for b in blocks]))
+        ptrs = [t.data_ptr() for t in rows.values()]
+        assert all(t.is_contiguous() for t in rows.values())
+        assert [b - ptrs[0] for b in ptrs] == [j * 256 * 1024 * 4 for j in range(len(KEYS))]
+        want = steps * 1024 * 4  # a key's rows; the buffer holds 256 a key
+        assert all(t.untyped_storage().nbytes() == want for t in rows.values())
+        assert len(pickle.dumps(rows)) < 1.05 * len(KEYS) * want
+
+
+def test_bf16_rows_are_kept_in_bf16_when_asked():
+    sink, blocks = InlineCaptureSink(), _blocks(2)
+    for p, block in enumerate(blocks):
+        sink.write_block(block, [BlockWrite("r", p, 0, KEYS, torch.bfloat16)])
+    rows, _ = sink.result("r", torch.bfloat16)
+    for j, key in enumerate(KEYS):
+        assert rows[key].dtype == torch.bfloat16
+        assert torch.equal(rows[key], torch.stack([b.host[0, j] for b in blocks]).bfloat16())
+
+
+def test_a_block_whose_rows_were_lost_fails_its_requests_result():
+    """The drain failed for a block: the request's result says so (no silent gap)."""
+    sink, (ok, lost) = InlineCaptureSink(), _blocks(2)
+    lost.drained, lost.error = threading.Event(), OSError("no memory")
+    lost.drained.set()
+    sink.write_block(ok, [BlockWrite("r", 0, 0, KEYS, torch.float32)])
+    sink.write_block(lost, [BlockWrite("r", 1, 0, KEYS, torch.float32)])
+    with pytest.raises(RuntimeError, match=r"capture rows were lost.*no memory"):
+        sink.result("r")
+
+
+def test_a_position_recomputed_through_a_later_block_takes_its_rows():
+    sink, blocks = InlineCaptureSink(), _blocks(3)
+    sink.write_block(blocks[0], [BlockWrite("r", 0, 0, KEYS, torch.float32)])
+    sink.write_block(blocks[1], [BlockWrite("r", 1, 0, KEYS, torch.float32)])
+    sink.write_block(blocks[2], [BlockWrite("r", 0, 1, KEYS, torch.float32)])  # after a preemption
+    rows, positions = sink.result("r")
+    assert positions == [0, 1]
+    assert torch.equal(rows["0.post_block"][0], blocks[2].host[1, 1])
+    assert torch.equal(rows["0.post_block"][1], blocks[1].host[0, 1])
