@@ -298,8 +298,10 @@ class AsyncLLM:
                     outputs = self.engine.step()
             except Exception as e:  # a bug, not bad input: fail what was in flight, keep serving
                 log.exception("engine step failed")
-                with self._lock:
+                with self._lock:  # those that finished and awaited their captures did not fail
+                    done = self.engine.deliver_captured(wait=True)
                     failed = [self.engine.abort(rid) for rid in list(self.engine.requests)]
+                self._emit(done)
                 self._emit(failed, self._step_error(e))
                 continue
             self._emit(outputs)

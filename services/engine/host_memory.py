@@ -29,7 +29,7 @@ import torch
 HUGE_BYTES = 4 << 20  # below this, the allocator's own memory (often already touched)
 
 _ADVISE = getattr(mmap, "MADV_HUGEPAGE", None)
-# data_ptr -> the mapping of each live `host_empty` tensor on one (for `host_prefix`)
+# data_ptr -> the mapping of each live `host_empty` tensor on one (for `host_rows`)
 _MAPPINGS: dict[int, mmap.mmap] = {}
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -78,8 +78,8 @@ def host_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     No copy where `t` is on a mapping (its slices of it); a copy of the rows where `t` is
     smaller than `HUGE_BYTES`."""
     mapping = _MAPPINGS.get(t.data_ptr())
-    if mapping is None:
-        return [t[j, :n].clone() for j in range(len(t))]
+    if mapping is None or not t.is_contiguous() or t.numel() * t.element_size() != len(mapping):
+        return [t[j, :n].clone() for j in range(len(t))]  # not a whole mapping: copies
     row = math.prod(t.shape[2:])
     stride = t.shape[1] * row * t.dtype.itemsize
     return [

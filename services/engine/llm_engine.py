@@ -179,7 +179,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, RequestGroup] = {}
         # Finished requests whose captured rows are still on their way to the host: their
-        # final delta waits for them, the engine does not (`_deliver`). They stay in
+        # final delta waits for them, the engine does not (`deliver_captured`). They stay in
         # `requests` until delivered, with their steering rows and KV blocks released.
         self._awaiting_captures: dict[str, RequestGroup] = {}
         # Steps launched and not yet accepted, when steps overlap: (schedule, PendingStep,
@@ -355,7 +355,11 @@ class LLMEngine:
         still runs under it)."""
         if self.adapters is None:
             raise NotFoundError(f"no adapter named {name!r} is loaded")
-        users = [g.request_id for g in self.requests.values() if g.params.adapter == name]
+        users = [
+            g.request_id
+            for g in self.requests.values()
+            if g.params.adapter == name and g.request_id not in self._awaiting_captures
+        ]
         if users:
             raise InvalidRequestError(f"adapter {name!r} is in use by requests {users[:3]}")
         self.adapters.unload(name)
@@ -412,14 +416,14 @@ class LLMEngine:
                     self._patch_pass(job)
                 return []
         overlap = self._can_overlap()
-        outputs: list[RequestDelta] = self._deliver() if self._awaiting_captures else []
+        outputs: list[RequestDelta] = self.deliver_captured() if self._awaiting_captures else []
         if not overlap:
             outputs += self._drain()
         sched = self.scheduler.schedule(self.microbatches if overlap else 1, self.num_steps)
         if sched.is_empty:
             outputs += self._drain()
             # nothing to run: wait for the captures of the requests that finished
-            return outputs + self._deliver(wait=True)
+            return outputs + self.deliver_captured(wait=True)
         plan = self.interventions.plan_step(sched)
         pending = self.runner.launch(sched.requests(), plan)
         self.num_steps += 1
@@ -521,7 +525,7 @@ class LLMEngine:
                 self._awaiting_captures[rid] = group
         return outputs
 
-    def _deliver(self, wait: bool = False) -> list[RequestDelta]:
+    def deliver_captured(self, wait: bool = False) -> list[RequestDelta]:
         """The final deltas of finished requests whose captured rows have come home (all of
         them with `wait`). Per-token capture brings a request's last rows back a step or
         two after its last token (copy, drain, assembly on their own threads); the engine

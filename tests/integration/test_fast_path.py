@@ -486,6 +486,27 @@ def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
         torch.testing.assert_close(out.captures[key], rows, atol=0, rtol=0)
 
 
+def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(model_dir, monkeypatch):
+    """A row the assembler cannot keep (no memory for the request's buffer) fails that
+    request's captures in its output (`capture_error`), not the step or other requests."""
+    from services.engine.interventions import capture
+
+    def no_memory(self, *args):
+        raise MemoryError("no memory for the buffer")
+
+    monkeypatch.setattr(capture._BlockRows, "put", no_memory)
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+    cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
+    engine.add_request("captures", PROMPTS[0], SamplingParams(max_tokens=4, capture=cap))
+    engine.add_request("plain", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
+    totals, done = OutputAccumulator(), {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in totals.finished(engine.step()))
+    assert "capture rows were lost: no memory for the buffer" in done["captures"].capture_error
+    assert done["captures"].captures == {}
+    assert len(done["plain"].outputs[0].token_ids) == 6
+
+
 def _req(seq_id, tokens, start, blocks, samples=True) -> StepRequest:
     return StepRequest(seq_id, tokens, start, blocks, samples, Params(), None)
 

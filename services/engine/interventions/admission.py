@@ -307,7 +307,13 @@ class RequestAdmission:
         """A finished request's captures; with sink "patch_store", written as its run first."""
         iv = group.interventions
         dtype = iv.capture.dtype if iv is not None and iv.capture is not None else torch.float32
-        result = self.sink.result(group.request_id, dtype)
+        try:
+            result = self.sink.result(group.request_id, dtype)
+        except RuntimeError as exc:  # its rows were lost: its output says so, the rest run on
+            if iv is not None:
+                iv.capture_error = str(exc)
+            log.warning("request %s: %s", group.request_id, exc)
+            return None
         run = iv.capture.run if iv is not None and iv.capture is not None else None
         if result is None or run is None or iv is None or iv.capture_run or iv.capture_error:
             return result

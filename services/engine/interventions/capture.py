@@ -90,6 +90,7 @@ class _BlockRows:
         self.num_rows = 0  # rows assigned so far (engine thread)
         self.buf: torch.Tensor | None = None  # assembler thread
         self.last: Future | None = None
+        self.error: BaseException | None = None  # why a row of it was lost, if one was
 
     def put(self, i: int, host: torch.Tensor, row: int, cols: torch.Tensor | None) -> None:
         """Row `i` := the block's row `row` (its columns `cols`, None: all of them)."""
@@ -109,11 +110,11 @@ class _BlockRows:
         self.buf[:, i].copy_(src)
 
     def wait(self) -> None:
+        """Wait for the last job that wrote here; raise if any row was lost."""
         if self.last is not None:
-            try:
-                self.last.result()
-            except Exception as exc:
-                raise RuntimeError(f"capture rows were lost: {exc}") from exc
+            self.last.result()
+        if self.error is not None:
+            raise RuntimeError(f"capture rows were lost: {self.error}") from self.error
 
 
 class InlineCaptureSink:
@@ -165,10 +166,19 @@ class InlineCaptureSink:
 
     @staticmethod
     def _assemble(block: Any, jobs: list[tuple[_BlockRows, int, int]]) -> None:
-        """Copy each request's row of `block` into its buffer (the assembler thread)."""
-        host = block.rows()  # waits for the drain; raises if the rows were lost
+        """Copy each request's row of `block` into its buffer (the assembler thread). A row
+        that cannot be had or kept marks its request (its result raises), not the others."""
+        try:
+            host = block.rows()  # waits for the drain; raises if the rows were lost
+        except Exception as exc:
+            for rows, _, _ in jobs:
+                rows.error = rows.error or exc
+            return
         for rows, i, row in jobs:
-            rows.put(i, host, row, block.columns(rows.slots))
+            try:
+                rows.put(i, host, row, block.columns(rows.slots))
+            except Exception as exc:  # e.g. no memory for its buffer
+                rows.error = rows.error or exc
 
     def result(
         self, request_id: str, dtype: torch.dtype = torch.float32

@@ -120,6 +120,14 @@ def test_a_block_whose_rows_were_lost_fails_its_requests_result():
     sink.write_block(lost, [BlockWrite("r", 1, 0, KEYS, torch.float32)])
     with pytest.raises(RuntimeError, match=r"capture rows were lost.*no memory"):
         sink.result("r")
+    # a later block's rows do not hide the lost one; another request's rows are not lost
+    sink.write_block(lost, [BlockWrite("s", 0, 0, KEYS, torch.float32)])
+    sink.write_block(ok, [BlockWrite(r, 1, 0, KEYS, torch.float32) for r in "rst"])
+    for r in "rs":
+        with pytest.raises(RuntimeError, match=r"capture rows were lost"):
+            sink.result(r)
+    rows, positions = sink.result("t")
+    assert positions == [1] and torch.equal(rows[KEYS[0]][0], ok.host[0, 0])
 
 
 def test_a_position_recomputed_through_a_later_block_takes_its_rows():
