@@ -494,7 +494,7 @@ def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(mode
     def no_memory(self, *args):
         raise MemoryError("no memory for the buffer")
 
-    monkeypatch.setattr(capture._BlockRows, "put", no_memory)
+    monkeypatch.setattr(capture._BlockRows, "reserve", no_memory)
     engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
     cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
     engine.add_request("captures", PROMPTS[0], SamplingParams(max_tokens=4, capture=cap))

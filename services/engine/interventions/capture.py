@@ -92,22 +92,20 @@ class _BlockRows:
         self.last: Future | None = None
         self.error: BaseException | None = None  # why a row of it was lost, if one was
 
-    def put(self, i: int, host: torch.Tensor, row: int, cols: torch.Tensor | None) -> None:
-        """Row `i` := the block's row `row` (its columns `cols`, None: all of them)."""
-        src = host[row] if cols is None else host[row].index_select(0, cols)  # [K, H]
+    def reserve(self, i: int, hidden: int) -> None:
+        """Allocate the buffer, or grow it, to hold row `i`."""
         have = 0 if self.buf is None else self.buf.shape[1]
         if i >= have:
             if have:
                 rows = max(i + 1, 2 * have)
             else:  # the request's most rows, if known and not too many: it never grows
-                row_bytes = src.numel() * self.dtype.itemsize
+                row_bytes = len(self.keys) * hidden * self.dtype.itemsize
                 rows = min(self.max_rows or self.FIRST_ROWS, self.FIRST_BYTES // row_bytes)
                 rows = max(rows, i + 1)
-            grown = host_empty((len(self.keys), rows, src.shape[-1]), self.dtype)
+            grown = host_empty((len(self.keys), rows, hidden), self.dtype)
             if self.buf is not None:
                 grown[:, :have].copy_(self.buf)
             self.buf = grown
-        self.buf[:, i].copy_(src)
 
     def wait(self) -> None:
         """Wait for the last job that wrote here; raise if any row was lost."""
@@ -166,18 +164,39 @@ class InlineCaptureSink:
 
     @staticmethod
     def _assemble(block: Any, jobs: list[tuple[_BlockRows, int, int]]) -> None:
-        """Copy each request's row of `block` into its buffer (the assembler thread). A row
-        that cannot be had or kept marks its request (its result raises), not the others."""
+        """Copy each request's row of `block` into its buffer (the assembler thread), all
+        in one call that holds the GIL only to start (`_foreach_copy_`): the engine's
+        thread needs it too. A row that cannot be had or kept marks its request (its
+        result raises), not the others."""
         try:
             host = block.rows()  # waits for the drain; raises if the rows were lost
         except Exception as exc:
             for rows, _, _ in jobs:
                 rows.error = rows.error or exc
             return
-        for rows, i, row in jobs:
+        # Each buffer grown first, once: a prefill chunk brings a request several rows in
+        # one block, and a view taken before a growth would write the old buffer.
+        last: dict[int, tuple[_BlockRows, int]] = {}
+        for rows, i, _ in jobs:
+            last[id(rows)] = (rows, max(i, last.get(id(rows), (rows, i))[1]))
+        for rows, i in last.values():
             try:
-                rows.put(i, host, row, block.columns(rows.slots))
+                rows.reserve(i, host.shape[-1])
             except Exception as exc:  # e.g. no memory for its buffer
+                rows.error = rows.error or exc
+        by_row = host.unbind(0)
+        dsts, srcs, kept = [], [], []
+        for rows, i, row in jobs:
+            if rows.buf is None or i >= rows.buf.shape[1]:
+                continue  # its buffer could not be had (marked above)
+            cols = block.columns(rows.slots)
+            dsts.append(rows.buf.select(1, i))
+            srcs.append(by_row[row] if cols is None else by_row[row].index_select(0, cols))
+            kept.append(rows)
+        try:
+            torch._foreach_copy_(dsts, srcs)
+        except Exception as exc:
+            for rows in kept:
                 rows.error = rows.error or exc
 
     def result(

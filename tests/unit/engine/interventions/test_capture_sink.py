@@ -139,3 +139,14 @@ def test_a_position_recomputed_through_a_later_block_takes_its_rows():
     assert positions == [0, 1]
     assert torch.equal(rows["0.post_block"][0], blocks[2].host[1, 1])
     assert torch.equal(rows["0.post_block"][1], blocks[1].host[0, 1])
+
+
+def test_a_prefill_chunk_brings_several_rows_of_a_request_in_one_block_past_its_buffer():
+    """A request's rows of one block (a prefill chunk's positions) land even where the
+    block takes its buffer past its first size: it grows once, before any row is copied."""
+    sink, block = InlineCaptureSink(), CapturedBlock(torch.randn(6, len(SLOTS), H), SLOTS)
+    sink.write_block(block, [BlockWrite("r", p, p, KEYS, torch.float32, 2) for p in range(6)])
+    rows, positions = sink.result("r")
+    assert positions == list(range(6))
+    for j, key in enumerate(KEYS):
+        assert torch.equal(rows[key], block.host[:, j])
