@@ -473,9 +473,16 @@ def _capture_params(
     )
 
 
-def _run_captures(path, dtype: str, eager: bool, host_rows: int | None = None, **capture):
+def _run_captures(
+    path, dtype: str, eager: bool, host_rows: int | None = None, single_copy=False, **capture
+):
     cfg = EngineConfig(
-        device="cuda", dtype=dtype, enforce_eager=eager, max_num_seqs=8, capture_host_rows=host_rows
+        device="cuda",
+        dtype=dtype,
+        enforce_eager=eager,
+        max_num_seqs=8,
+        capture_host_rows=host_rows,
+        capture_single_copy=single_copy,
     )
     engine = LLMEngine(path, cfg)
     shape = engine.model_config.hidden_size, engine.model_config.num_layers
@@ -492,21 +499,32 @@ def _run_captures(path, dtype: str, eager: bool, host_rows: int | None = None, *
 
 
 @pytest.mark.parametrize(
-    "dtype,tol,host_rows",
-    [("float32", 1e-4, 4096), ("bfloat16", 3e-2, 4096), ("float32", 1e-4, 12)],
+    "dtype,tol,host_rows,single_copy",
+    [
+        ("float32", 1e-4, 4096, False),
+        ("bfloat16", 3e-2, 4096, False),
+        ("float32", 1e-4, 12, False),
+        ("float32", 1e-4, 4096, True),
+        ("bfloat16", 3e-2, 4096, True),
+    ],
 )
 def test_decode_captures_replay_the_capture_graph_and_equal_eager(
-    tiny_checkpoint, dtype, tol, host_rows
+    tiny_checkpoint, dtype, tol, host_rows, single_copy
 ):
     """With a pinned reserve that holds every block, and one that holds one step's block:
-    the drain gives each block's rows back once its copy lands, so no block misses it."""
+    the drain gives each block's rows back once its copy lands, so no block misses it.
+    With `capture_single_copy` there is no drain: the sink copies each request's rows out
+    of the pinned block, and every run of the reserve still comes back."""
     path = tiny_checkpoint("qwen3")
-    graph, engine = _run_captures(path, dtype, eager=False, host_rows=host_rows)
+    graph, engine = _run_captures(
+        path, dtype, eager=False, host_rows=host_rows, single_copy=single_copy
+    )
     eager, eager_engine = _run_captures(path, dtype, eager=True)
     stats = engine.stats()
     pool = engine.runner.readback.host_rows
     gc.collect()
     assert pool.num_free == host_rows  # every run came back
+    assert (stats["capture_drain_blocks"] == 0) == single_copy
     assert stats["num_capture_host_misses"] == 0
     assert stats["num_capture_graph_steps"] > 10 and eager_engine.stats()["num_graph_steps"] == 0
     snap = engine.steering_snapshot()["captured_tokens"]

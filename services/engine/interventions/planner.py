@@ -138,6 +138,7 @@ class Readback:
         dtype: torch.dtype = torch.float32,
         host_rows: int = 0,
         ring: int = 2,
+        single_copy: bool = False,
     ):
         self.on_cuda = device.type == "cuda"
         i32 = torch.int32
@@ -163,8 +164,9 @@ class Readback:
         if self._copy_stream is not None:
             row_shape = (num_layers * len(SITES), hidden)
             self.host_rows = PinnedRows(host_rows, row_shape, dtype)
-            self.drain = CaptureDrain()
-            weakref.finalize(self, self.drain.stop)  # the thread ends with its readback
+            if not single_copy:  # else the sink's assembler reads the pinned rows itself
+                self.drain = CaptureDrain()
+                weakref.finalize(self, self.drain.stop)  # the thread ends with its readback
         self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._hosts: dict[str, list[torch.Tensor]] = {}
         self.ring = ring
@@ -232,7 +234,7 @@ class Readback:
         ready = torch.cuda.Event()
         ready.record(main)
         stream.wait_event(ready)
-        assert self.host_rows is not None and self.drain is not None
+        assert self.host_rows is not None
         arena_rows = -(-shape[0] * shape[1] // width)
         run, lease = self.host_rows.take(arena_rows, wait_s=self.HOST_ROWS_WAIT_S)
         host = run.view(-1)[: staged.numel()].view(shape)
@@ -242,7 +244,11 @@ class Readback:
             done.record(stream)
         self._staging_done[k] = done
         block = CapturedBlock(host, slots, done, lease)
-        self.drain.submit(block, dtype)
+        if self.drain is not None:
+            self.drain.submit(block, dtype)
+        # (single copy: the rows stay pinned in the model's dtype until the sink has
+        # copied them out; the lease goes with the block, when the step's plan and the
+        # sink's job for it are done)
         return block
 
     def _slots_on_device(self, slots: tuple[int, ...]) -> torch.Tensor:
