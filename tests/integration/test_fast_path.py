@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -505,6 +506,58 @@ def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(mode
     assert "capture rows were lost: no memory for the buffer" in done["captures"].capture_error
     assert done["captures"].captures == {}
     assert len(done["plain"].outputs[0].token_ids) == 6
+
+
+def test_a_failed_step_delivers_the_requests_awaiting_their_captures(model_dir, monkeypatch):
+    """A step that fails fails the requests in flight, but not one that had finished and
+    was only waiting for its captured rows: that one gets its final output, rows and all."""
+    from services.engine import AsyncLLM
+    from services.engine.interventions.capture import InlineCaptureSink
+
+    gate = threading.Event()
+    assemble = InlineCaptureSink._assemble
+    monkeypatch.setattr(
+        InlineCaptureSink,
+        "_assemble",
+        staticmethod(lambda block, jobs: gate.wait(30) and assemble(block, jobs)),
+    )
+    llm = AsyncLLM(model_dir, device="cpu", dtype="float32")
+    got: dict[str, list] = {"captures": [], "plain": []}
+    try:
+        engine = llm.engine
+        cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        llm.submit("plain", PROMPTS[1], long, got["plain"].append)  # running throughout
+        for _ in range(3000):
+            if got["plain"]:
+                break
+            time.sleep(0.01)
+        short = SamplingParams(max_tokens=3, ignore_eos=True, capture=cap)
+        llm.submit("captures", PROMPTS[0], short, got["captures"].append)
+        for _ in range(3000):
+            if "captures" in engine._awaiting_captures:
+                break
+            time.sleep(0.01)
+        assert "captures" in engine._awaiting_captures
+        launch = engine.runner.launch
+
+        def fail(*args, **kwargs):  # the rows land, then the step fails
+            gate.set()
+            engine.runner.launch = launch
+            raise RuntimeError("boom")
+
+        engine.runner.launch = fail
+        for _ in range(3000):
+            if got["plain"] and isinstance(got["plain"][-1], BaseException):
+                break
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        llm.shutdown()
+    final = got["captures"][-1]
+    assert not isinstance(final, BaseException) and final.finished
+    assert final.capture_positions is not None and len(final.capture_positions) == 2
+    assert "boom" in str(got["plain"][-1])
 
 
 def _req(seq_id, tokens, start, blocks, samples=True) -> StepRequest:
