@@ -440,6 +440,21 @@ def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(mode
             torch.testing.assert_close(rows.float(), ref.captures[key].float(), atol=1e-4, rtol=0)
 
 
+def _hold_assembly(monkeypatch) -> threading.Event:
+    """Hold the capture sink's assembler (a block's rows reach no request) until the
+    returned event is set."""
+    from services.engine.interventions.capture import InlineCaptureSink
+
+    gate = threading.Event()
+    assemble = InlineCaptureSink._assemble
+    monkeypatch.setattr(
+        InlineCaptureSink,
+        "_assemble",
+        staticmethod(lambda block, jobs: gate.wait(30) and assemble(block, jobs)),
+    )
+    return gate
+
+
 def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
     model_dir, monkeypatch
 ):
@@ -447,7 +462,6 @@ def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
     (copy, drain, assembly on their own threads). While they are on their way, the
     request's final delta waits and the engine steps the other requests; once they land,
     the final delta carries every row, as a run whose rows were never held up."""
-    from services.engine.interventions.capture import InlineCaptureSink
 
     cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
 
@@ -470,13 +484,7 @@ def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
         return done, steps_while_held
 
     want, _ = run()
-    gate = threading.Event()
-    assemble = InlineCaptureSink._assemble
-    monkeypatch.setattr(
-        InlineCaptureSink,
-        "_assemble",
-        staticmethod(lambda block, jobs: gate.wait(30) and assemble(block, jobs)),
-    )
+    gate = _hold_assembly(monkeypatch)
     got, steps_while_held = run(gate)
     assert steps_while_held == 4, "the engine went on stepping the other request"
     assert got["plain"].outputs[0].token_ids == want["plain"].outputs[0].token_ids
@@ -512,15 +520,8 @@ def test_a_failed_step_delivers_the_requests_awaiting_their_captures(model_dir, 
     """A step that fails fails the requests in flight, but not one that had finished and
     was only waiting for its captured rows: that one gets its final output, rows and all."""
     from services.engine import AsyncLLM
-    from services.engine.interventions.capture import InlineCaptureSink
 
-    gate = threading.Event()
-    assemble = InlineCaptureSink._assemble
-    monkeypatch.setattr(
-        InlineCaptureSink,
-        "_assemble",
-        staticmethod(lambda block, jobs: gate.wait(30) and assemble(block, jobs)),
-    )
+    gate = _hold_assembly(monkeypatch)
     llm = AsyncLLM(model_dir, device="cpu", dtype="float32")
     got: dict[str, list] = {"captures": [], "plain": []}
     try:
