@@ -22,7 +22,6 @@ runs the next steps), and a finished request's result is a view of that buffer.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
@@ -123,8 +122,8 @@ class InlineCaptureSink:
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         self._eager: dict[str, set[int]] = {}  # request -> positions in `_rows`
         self._blocks: dict[str, _BlockRows] = {}  # request -> its rows from decode blocks
-        self._pool: ThreadPoolExecutor | None = None  # started by the first block
-        self._lock = threading.Lock()
+        # the assembler: its thread starts with the first block
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="capture-assemble")
 
     def write(self, request_id: str, key: str, positions: list[int], rows: torch.Tensor) -> None:
         # A position written again (recomputed after a preemption) takes the new rows.
@@ -154,10 +153,6 @@ class InlineCaptureSink:
             jobs.append((rows, i, row))
         if not jobs:
             return
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="capture-assemble")
         done = self._pool.submit(self._assemble, block, jobs)
         for rows, _, _ in jobs:
             rows.last = done
@@ -176,10 +171,10 @@ class InlineCaptureSink:
             return
         # Each buffer grown first, once: a prefill chunk brings a request several rows in
         # one block, and a view taken before a growth would write the old buffer.
-        last: dict[int, tuple[_BlockRows, int]] = {}
+        top: dict[_BlockRows, int] = {}
         for rows, i, _ in jobs:
-            last[id(rows)] = (rows, max(i, last.get(id(rows), (rows, i))[1]))
-        for rows, i in last.values():
+            top[rows] = max(i, top.get(rows, i))
+        for rows, i in top.items():
             try:
                 rows.reserve(i, host.shape[-1])
             except Exception as exc:  # e.g. no memory for its buffer
