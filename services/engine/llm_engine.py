@@ -308,13 +308,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestDelta:
         """Stop a request now and free its blocks; returns its final delta."""
+        if request_id in self._awaiting_captures:  # finished and released: its final delta
+            return self._deliver_awaiting(request_id)
         group = self.requests.pop(request_id, None)
         if group is None:
             raise RequestNotFoundError(f"no unfinished request with id {request_id!r}")
-        if self._awaiting_captures.pop(request_id, None) is not None:  # finished, released
-            final = self.outputs.delta(group)
-            self.interventions.drop_captures(group)
-            return final
         for seq in group.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -427,8 +425,10 @@ class LLMEngine:
         sched = self.scheduler.schedule(self.microbatches if overlap else 1, self.num_steps)
         if sched.is_empty:
             outputs += self._drain()
-            # nothing to run: wait for the captures of the requests that finished
-            return outputs + self.deliver_captured(wait=True)
+            # Nothing else left to run (every unfinished request awaits its captures): wait
+            # for them. Else (the step in flight held the rest) the next call schedules.
+            idle = len(self.requests) == len(self._awaiting_captures)
+            return outputs + self.deliver_captured(wait=idle)
         plan = self.interventions.plan_step(sched)
         pending = self.runner.launch(sched.requests(), plan)
         self.num_steps += 1
@@ -535,14 +535,20 @@ class LLMEngine:
         them with `wait`). Per-token capture brings a request's last rows back a step or
         two after its last token (copy, drain, assembly on their own threads); the engine
         runs the next steps meanwhile instead of waiting for them."""
-        outputs = []
-        for rid, group in list(self._awaiting_captures.items()):
-            if wait or self.interventions.captures_ready(group):
-                del self._awaiting_captures[rid]
-                outputs.append(self.outputs.delta(group))
-                self.requests.pop(rid, None)
-                self.interventions.drop_captures(group)
-        return outputs
+        return [
+            self._deliver_awaiting(rid)
+            for rid, group in list(self._awaiting_captures.items())
+            if wait or self.interventions.captures_ready(group)
+        ]
+
+    def _deliver_awaiting(self, request_id: str) -> RequestDelta:
+        """The final delta of a finished request that awaited its captures (waiting for
+        any still on their way), which is then forgotten."""
+        group = self._awaiting_captures.pop(request_id)
+        self.requests.pop(request_id, None)
+        final = self.outputs.delta(group)
+        self.interventions.drop_captures(group)
+        return final
 
     # -- patch passes ---------------------------------------------------------------------
 

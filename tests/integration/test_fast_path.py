@@ -527,14 +527,16 @@ def test_a_failed_step_delivers_the_requests_awaiting_their_captures(model_dir, 
     try:
         engine = llm.engine
         cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
-        long = SamplingParams(max_tokens=200, ignore_eos=True)
-        llm.submit("plain", PROMPTS[1], long, got["plain"].append)  # running throughout
-        for _ in range(3000):
-            if got["plain"]:
-                break
-            time.sleep(0.01)
         short = SamplingParams(max_tokens=3, ignore_eos=True, capture=cap)
-        llm.submit("captures", PROMPTS[0], short, got["captures"].append)
+        long = SamplingParams(max_tokens=engine.max_model_len - 64, ignore_eos=True)
+        # queued by the engine thread between steps, in this order (`submit` could wait on
+        # the engine's lock until `plain` had run out)
+        admitted = [
+            llm.admit("captures", PROMPTS[0], None, short, got["captures"].append),
+            llm.admit("plain", PROMPTS[1], None, long, got["plain"].append),
+        ]
+        for future in admitted:
+            future.result(timeout=30)
         for _ in range(3000):
             if "captures" in engine._awaiting_captures:
                 break
