@@ -357,7 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2); a "
         "trailing f (2x1f) turns on EngineConfig.fused_all_reduce_norm for that one, a "
         "trailing m (1x2m) EngineConfig.pipeline_microbatches=2, a trailing s (2x1s) "
-        "EngineConfig.skinny_gemm, a trailing c (4x1c) EngineConfig.capture_single_copy",
+        "EngineConfig.skinny_gemm",
     )
     p.add_argument(
         "--interventions",
@@ -469,10 +469,10 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     shapes = [(args.tp, args.pp, "")]
-    if args.parallel:  # 2x1; 2x1f: fused_all_reduce_norm; 1x2m: microbatches; 4x1c: single copy
+    if args.parallel:  # 2x1; 2x1f: fused_all_reduce_norm; 1x2m: microbatches; 2x1s: skinny_gemm
         shapes = []
         for spec in args.parallel.split(","):
-            dims = spec.rstrip("fmsc")
+            dims = spec.rstrip("fms")
             shapes.append((*(int(n) for n in dims.split("x")), spec[len(dims) :]))
     replicas = []
     for tp, pp, flags in shapes:
@@ -498,7 +498,6 @@ def main(argv: list[str] | None = None) -> None:
                 fused_all_reduce_norm="f" in flags,
                 pipeline_microbatches=2 if "m" in flags else 1,
                 skinny_gemm="s" in flags,
-                capture_single_copy="c" in flags,
             ),
             device_type=device.type,
         )

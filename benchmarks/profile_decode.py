@@ -160,11 +160,6 @@ def main() -> None:
         help="every request captures post_block of every layer at every generated token",
     )
     p.add_argument(
-        "--capture-single-copy",
-        action="store_true",
-        help="EngineConfig.capture_single_copy: rows copied once, out of the pinned block",
-    )
-    p.add_argument(
         "--top-kernels", type=int, default=25, help="kernels listed per batch size (CUDA)"
     )
     p.add_argument(
@@ -185,7 +180,6 @@ def main() -> None:
     cfg = EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=128,
         max_num_batched_tokens=8192, max_model_len=1024, enable_prefix_caching=False,
-        capture_single_copy=args.capture_single_copy,
     )  # fmt: skip
     engine = LLMEngine(path, cfg)
     freeze_startup_heap()  # as a serving process does (`coxswain serve`)
@@ -198,12 +192,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"text decoded by {'the engine' if args.engine_detokenizes else 'the front end'}")
     if args.capture:
-        copies = (
-            "once, out of the pinned block"
-            if args.capture_single_copy
-            else "drained, then assembled"
-        )
-        print(f"every request captures {capture}; its rows copied {copies}")
+        print(f"every request captures {capture}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         rids = [f"{batch}-{i}" for i in range(batch)]
         for rid in rids:
@@ -230,10 +219,7 @@ def main() -> None:
         parts = ", ".join(f"{name} {1e3 * totals[name] / n:.3f}" for _, name in STAGES)
         print(f"  host ms/step by stage: {parts}")
         if args.cprofile is not None:
-            kind = ("-capture" if args.capture else "") + (
-                "-1copy" if args.capture_single_copy else ""
-            )
-            path = args.cprofile / f"batch{batch}{kind}.txt"
+            path = args.cprofile / f"batch{batch}{'-capture' if args.capture else ''}.txt"
             host_functions(engine, n, path)
             print(f"  host functions: {path}")
         for rid in rids:

@@ -84,14 +84,6 @@ class EngineConfig:
     # warned once). None: 3 steps of `graph_capture_rows` (one block copying, one
     # draining, one being written).
     capture_host_rows: int | None = None
-    # Per-token capture with one host copy instead of two (off by default until measured on
-    # GPUs): no drain thread; the capture sink's assembler copies each request's rows
-    # straight out of the pinned block into the request's buffer, converting the dtype,
-    # and the block's pinned rows go back when its rows are copied (about two steps after
-    # its launch, so the default reserve is 4 steps of `graph_capture_rows`, and a reserve
-    # of one step's block makes every step wait). Saves a block's move into fresh pageable
-    # memory each step: 84 MB a step for the Llama-3-70B shape at batch 32.
-    capture_single_copy: bool = False
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (not while a patch is still ahead of a request or a sync consumer is
     # attached, which read what the step before brings back; see LLMEngine._can_overlap).

@@ -151,13 +151,8 @@ class LLMEngine:
             capture_rows=capture_rows,
             hidden=self.model_config.hidden_size,
             dtype=self.dtype,
-            host_rows=(
-                (4 if cfg.capture_single_copy else 3) * capture_rows
-                if cfg.capture_host_rows is None
-                else cfg.capture_host_rows
-            ),
+            host_rows=3 * capture_rows if cfg.capture_host_rows is None else cfg.capture_host_rows,
             ring=self.microbatches + 1,
-            single_copy=cfg.capture_single_copy,
         )
         if not cfg.enforce_eager and self.runner.can_use_graphs():
             steer_sites = frozenset(

@@ -179,14 +179,17 @@ class InlineCaptureSink:
                 rows.reserve(i, host.shape[-1])
             except Exception as exc:  # e.g. no memory for its buffer
                 rows.error = rows.error or exc
+        # Views by indexing, which keeps the GIL, where a method (`select`) would let it go
+        # and take it back: 128 handoffs a step to the engine's thread, each a wait for it.
         by_row = host.unbind(0)
         dsts, srcs, kept = [], [], []
         for rows, i, row in jobs:
-            if rows.buf is None or i >= rows.buf.shape[1]:
+            buf = rows.buf
+            if buf is None or i >= buf.shape[1]:
                 continue  # its buffer could not be had (marked above)
             cols = block.columns(rows.slots)
-            dsts.append(rows.buf.select(1, i))
-            srcs.append(by_row[row] if cols is None else by_row[row].index_select(0, cols))
+            dsts.append(buf[:, i])
+            srcs.append(by_row[row] if cols is None else by_row[row][cols])
             kept.append(rows)
         try:
             torch._foreach_copy_(dsts, srcs)

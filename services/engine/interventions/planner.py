@@ -138,7 +138,6 @@ class Readback:
         dtype: torch.dtype = torch.float32,
         host_rows: int = 0,
         ring: int = 2,
-        single_copy: bool = False,
     ):
         self.on_cuda = device.type == "cuda"
         i32 = torch.int32
@@ -164,9 +163,8 @@ class Readback:
         if self._copy_stream is not None:
             row_shape = (num_layers * len(SITES), hidden)
             self.host_rows = PinnedRows(host_rows, row_shape, dtype)
-            if not single_copy:  # else the sink's assembler reads the pinned rows itself
-                self.drain = CaptureDrain()
-                weakref.finalize(self, self.drain.stop)  # the thread ends with its readback
+            self.drain = CaptureDrain()
+            weakref.finalize(self, self.drain.stop)  # the thread ends with its readback
         self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._hosts: dict[str, list[torch.Tensor]] = {}
         self.ring = ring
@@ -244,11 +242,8 @@ class Readback:
             done.record(stream)
         self._staging_done[k] = done
         block = CapturedBlock(host, slots, done, lease)
-        if self.drain is not None:
-            self.drain.submit(block, dtype)
-        # (single copy: the rows stay pinned in the model's dtype until the sink has
-        # copied them out; the lease goes with the block, when the step's plan and the
-        # sink's job for it are done)
+        assert self.drain is not None
+        self.drain.submit(block, dtype)
         return block
 
     def _slots_on_device(self, slots: tuple[int, ...]) -> torch.Tensor:

@@ -3,16 +3,13 @@ copies: each key's rows in position order, in the dtype asked for. Block rows go
 request's own buffer on the sink's thread as they come, so a finished request's result is
 a view of its rows, not a copy made when it finishes."""
 
-import gc
 import pickle
 import threading
-import time
 
 import pytest
 import torch
 
 from services.engine.interventions.capture import BlockWrite, InlineCaptureSink
-from services.engine.interventions.host_rows import PinnedRows
 from services.engine.interventions.planner import CapturedBlock
 from services.engine.kernels.capture import capture_slot
 
@@ -153,34 +150,3 @@ def test_a_prefill_chunk_brings_several_rows_of_a_request_in_one_block_past_its_
     assert positions == list(range(6))
     for j, key in enumerate(KEYS):
         assert torch.equal(rows[key], block.host[:, j])
-
-
-def test_the_sink_lets_go_of_a_block_once_its_rows_are_copied():
-    """`capture_single_copy`: a block's rows stay in their run of the reserve until the sink
-    has copied them, and the run goes back when the step lets go of the block: the sink
-    keeps no reference to it (or every step would hold its run, and the reserve run dry)."""
-    pool = PinnedRows(8, (len(SLOTS), H), torch.bfloat16, pin=False)
-    sink = InlineCaptureSink()
-    for p in range(5):  # more steps than the reserve holds blocks of 3 rows
-        run, lease = pool.take(3)
-        assert lease is not None, f"step {p}: the runs of the blocks before did not come back"
-        run.copy_(torch.full((3, len(SLOTS), H), float(p)))
-        block = CapturedBlock(run, SLOTS, lease=lease)
-        sink.write_block(
-            block, [BlockWrite(r, p, i, KEYS, torch.float32) for i, r in enumerate("ab")]
-        )
-        del block, run, lease  # the step is accepted: its plan goes
-        assert _comes_back(pool), f"step {p}: the sink kept the block"
-    rows, positions = sink.result("b")
-    assert positions == list(range(5))
-    assert torch.equal(rows["0.post_block"][:, 0], torch.arange(5.0))
-
-
-def _comes_back(pool: PinnedRows, timeout_s: float = 5.0) -> bool:
-    """Whether every run of `pool` is back within `timeout_s` (the assembler thread lets go
-    of a job's block just after the job is done)."""
-    deadline = time.monotonic() + timeout_s
-    while pool.num_free < pool.num_rows and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.01)
-    return pool.num_free == pool.num_rows
