@@ -210,7 +210,10 @@ class LLMEngine:
             if not prompt:  # it would encode to BOS alone: a request with nothing to say
                 raise InvalidRequestError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, list | tuple) or not (
+            set(map(type, prompt)) <= {int}  # the common case, checked at C speed
+            or all(isinstance(t, int) for t in prompt)
+        ):
             raise InvalidRequestError("a prompt must be a string or a list of token ids")
         return None, list(prompt)
 

@@ -495,6 +495,31 @@ def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
         torch.testing.assert_close(out.captures[key], rows, atol=0, rtol=0)
 
 
+def test_a_requests_capture_buffer_holds_the_positions_its_capture_can_bring(model_dir):
+    """Block rows go into a buffer sized from the request's capture: one row for the last
+    prompt position, `max_tokens` rows for every generated one. (Sized from `max_tokens`
+    alone, a last-prompt capture of 84 keys held 64 rows of each: 22 MB a request to fault
+    in on the Qwen3-0.6B shape, for one row.)"""
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+    last = {"sites": {"pre_attn": "all", "post_block": "all"}, "positions": "last_prompt"}
+    generated = {"sites": {"post_block": "all"}, "positions": "all_generated"}
+    for rid, cap, n in (("last", last, 64), ("generated", generated, 5)):
+        params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, capture=cap)
+        engine.add_request(rid, PROMPTS[0], params)
+    sink, totals, done = engine.interventions.sink, OutputAccumulator(), {}
+    capacity = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in totals.finished(engine.step()))
+        for rid, rows in sink._blocks.items():
+            rows.wait()
+            capacity[rid] = rows.buf.shape[1]
+    assert capacity == {"last": 1, "generated": 5}
+    prompt = len(done["last"].prompt_token_ids)
+    assert done["last"].capture_positions == [prompt - 1]
+    assert len(done["last"].captures) == 2 * engine.model_config.num_layers
+    assert done["generated"].capture_positions == list(range(prompt, prompt + 4))
+
+
 def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(model_dir, monkeypatch):
     """A row the assembler cannot keep (no memory for the request's buffer) fails that
     request's captures in its output (`capture_error`), not the step or other requests."""

@@ -135,7 +135,7 @@ class StepObserver:
                 continue
             group = seq.group
             capture = group.interventions.capture
-            rows = group.params.max_tokens  # a decode position a generated token at most
+            rows = capture.max_positions(seq.num_prompt_tokens, group.params.max_tokens)
             writes.append(
                 BlockWrite(group.request_id, position, row, capture.keys, capture.dtype, rows)
             )

@@ -122,6 +122,20 @@ class ResolvedCapture:
         assert isinstance(p, frozenset)
         return position in p
 
+    def max_positions(self, num_prompt_tokens: int, max_tokens: int | None) -> int | None:
+        """The most positions it can capture (None: not known, `max_tokens` unset). A
+        position computed again (after a preemption) is the same position."""
+        p = self.positions
+        if isinstance(p, frozenset):
+            return len(p)
+        if p == "last_prompt":
+            return 1
+        if p == "all_prompt":
+            return num_prompt_tokens
+        if max_tokens is None:
+            return None
+        return max_tokens + (num_prompt_tokens if p == "all" else 0)
+
     def wants_from(self, position: int, num_prompt_tokens: int) -> bool:
         """Whether some position at or after `position` is still to be captured."""
         p = self.positions
