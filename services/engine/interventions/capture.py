@@ -97,7 +97,7 @@ class _BlockRows:
         if i >= have:
             if have:
                 rows = max(i + 1, 2 * have)
-            else:  # the request's most rows, if known and not too many: it never grows
+            else:  # the request's most rows, if known and not too many: it seldom grows
                 row_bytes = len(self.keys) * hidden * self.dtype.itemsize
                 rows = min(self.max_rows or self.FIRST_ROWS, self.FIRST_BYTES // row_bytes)
                 rows = max(rows, i + 1)
@@ -179,8 +179,10 @@ class InlineCaptureSink:
                 rows.reserve(i, host.shape[-1])
             except Exception as exc:  # e.g. no memory for its buffer
                 rows.error = rows.error or exc
-        # Views by indexing, which keeps the GIL, where a method (`select`) would let it go
-        # and take it back: 128 handoffs a step to the engine's thread, each a wait for it.
+        # Views by plain indexing, which keeps the GIL, where a method (`select`) would let
+        # it go and take it back: 128 handoffs a step to the engine's thread, each a wait
+        # for it. (A request asking other columns than the block's is gathered by a tensor
+        # index, which still lets it go: one handoff for each such row.)
         by_row = host.unbind(0)
         dsts, srcs, kept = [], [], []
         for rows, i, row in jobs:

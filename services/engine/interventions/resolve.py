@@ -123,8 +123,10 @@ class ResolvedCapture:
         return position in p
 
     def max_positions(self, num_prompt_tokens: int, max_tokens: int | None) -> int | None:
-        """The most positions it can capture (None: not known, `max_tokens` unset). A
-        position computed again (after a preemption) is the same position."""
+        """The most positions it can capture (None: not known, `max_tokens` unset): what
+        its capture buffer is sized for. A position computed again after a preemption
+        writes its row again, and only one that went from the block path to an eager copy
+        and back takes a new row (the buffer then grows)."""
         p = self.positions
         if isinstance(p, frozenset):
             return len(p)
