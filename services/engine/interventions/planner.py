@@ -232,7 +232,7 @@ class Readback:
         ready = torch.cuda.Event()
         ready.record(main)
         stream.wait_event(ready)
-        assert self.host_rows is not None
+        assert self.host_rows is not None and self.drain is not None
         arena_rows = -(-shape[0] * shape[1] // width)
         run, lease = self.host_rows.take(arena_rows, wait_s=self.HOST_ROWS_WAIT_S)
         host = run.view(-1)[: staged.numel()].view(shape)
@@ -242,7 +242,6 @@ class Readback:
             done.record(stream)
         self._staging_done[k] = done
         block = CapturedBlock(host, slots, done, lease)
-        assert self.drain is not None
         self.drain.submit(block, dtype)
         return block
 
