@@ -355,9 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--parallel",
         help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2); a "
-        "trailing f (2x1f) turns on EngineConfig.fused_all_reduce_norm for that one, a "
-        "trailing m (1x2m) EngineConfig.pipeline_microbatches=2, a trailing s (2x1s) "
-        "EngineConfig.skinny_gemm",
+        "trailing f (2x1f) turns EngineConfig.fused_all_reduce_norm on for that one and a "
+        "trailing u (2x1u) off (neither: its default, on at TP=2), a trailing m (1x2m) "
+        "EngineConfig.pipeline_microbatches=2, a trailing s (2x1s) EngineConfig.skinny_gemm",
     )
     p.add_argument(
         "--interventions",
@@ -469,10 +469,10 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     shapes = [(args.tp, args.pp, "")]
-    if args.parallel:  # 2x1; 2x1f: fused_all_reduce_norm; 1x2m: microbatches; 2x1s: skinny_gemm
-        shapes = []
+    if args.parallel:  # 2x1; 2x1f/2x1u: fused_all_reduce_norm on/off; 1x2m: microbatches;
+        shapes = []  # 2x1s: skinny_gemm
         for spec in args.parallel.split(","):
-            dims = spec.rstrip("fms")
+            dims = spec.rstrip("fums")
             shapes.append((*(int(n) for n in dims.split("x")), spec[len(dims) :]))
     replicas = []
     for tp, pp, flags in shapes:
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
             engine_config=dataclasses.replace(
                 engine_config,
-                fused_all_reduce_norm="f" in flags,
+                fused_all_reduce_norm=True if "f" in flags else False if "u" in flags else None,
                 pipeline_microbatches=2 if "m" in flags else 1,
                 skinny_gemm="s" in flags,
             ),

@@ -25,7 +25,8 @@
 #   capture     host_copy.py on this host (the Llama-3-8B batch-128 block), then
 #               steering_overhead.py's capture rows at batch 32 (Qwen3-0.6B shape) and at
 #               32 and 128 (Llama-3-8B shape), K = 1 (1; 360 s)
-#   tp          decode.py --parallel 2x1,2x1f,1x2 on the Llama-3-8B shape (2; 300 s)
+#   tp          decode.py --parallel 2x1u,2x1,1x2 on the Llama-3-8B shape (2; 300 s;
+#               2x1 fuses each all-reduce with its norm by default, 2x1u keeps them apart)
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
 #   routing     only when named: the routing study's device headline, 8 runs a GPU
 #               (ROUTING_JOBS=N: N runs at once, over all the GPUs), resumed
@@ -212,7 +213,7 @@ run() {
             "$so $llama --num-seqs 128 --profile $(printf %q "$OUT/profile-capture")" ;;
     tp)
         step tp 2 300 python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
-            --batch-sizes 1,32,128 --parallel 2x1,2x1f,1x2 ;;
+            --batch-sizes 1,32,128 --parallel 2x1u,2x1,1x2 ;;
     70b)
         step 70b 4 600 python3 benchmarks/decode.py --shape llama3-70b --systems none \
             --parallel 4x1,4x1f --batch-sizes 1,32 --steps 32 --interventions ;;

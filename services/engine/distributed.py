@@ -73,14 +73,15 @@ def init_replica(
     pp_size: int,
     init_method: str,
     device_type: str = "cpu",
-    fused_all_reduce_norm: bool = False,
+    fused_all_reduce_norm: bool | None = None,
     pipeline_microbatches: int = 1,
 ) -> tuple[ParallelContext, StepSync]:
     """Join this process to its replica's process groups; returns its context and step sync.
 
     Ranks are numbered stage by stage (`rank = pp_rank * tp_size + tp_rank`); every rank must
     call this with the same sizes, `init_method` (e.g. `tcp://127.0.0.1:29500`),
-    `fused_all_reduce_norm` and `pipeline_microbatches` (`EngineConfig`'s).
+    `fused_all_reduce_norm` and `pipeline_microbatches` (`EngineConfig`'s; a None
+    `fused_all_reduce_norm` is on for two TP ranks on CUDA).
     """
     world = tp_size * pp_size
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -109,6 +110,8 @@ def init_replica(
     if device_type == "cuda" and tp_size > 1:
         device = torch.device("cuda", torch.cuda.current_device())
         symmetric = symmetric_all_reduce(tp_group, device)
+        if fused_all_reduce_norm is None:  # measured to pay at TP=2 only (EngineConfig)
+            fused_all_reduce_norm = tp_size == 2
         if fused_all_reduce_norm:
             from services.engine.kernels.all_reduce_norm import fused_all_reduce_norm as make
 

@@ -124,7 +124,7 @@ def _local_rank(
     # stacks come out before the parent gives up on it (`COXSWAIN_HANG_DUMP_S` sooner).
     faulthandler.dump_traceback_later(float(os.environ.get("COXSWAIN_HANG_DUMP_S", dump_after_s)))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `_reap`'s, before it stops us
-    fused = getattr(engine_config, "fused_all_reduce_norm", False)
+    fused = getattr(engine_config, "fused_all_reduce_norm", None)
     microbatches = getattr(engine_config, "pipeline_microbatches", 1)
     ctx, sync = init_replica(rank, tp_size, pp_size, init_method, device_type, fused, microbatches)
     engine = None
