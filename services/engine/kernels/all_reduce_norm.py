@@ -30,7 +30,8 @@ two meetings, and measured no faster than the one-shot all-reduce and the norm k
 (`benchmarks/README.md`, 2026-11-27).
 
 `EngineConfig.fused_all_reduce_norm` turns it on; left None, it is on for two TP ranks
-(measured faster there on two H200s, and no faster at four). `all_reduce_add_norm_reference` is what it computes from every rank's partial.
+(measured faster there on two H200s, and no faster at four).
+`all_reduce_add_norm_reference` is what it computes from every rank's partial.
 """
 
 from __future__ import annotations
