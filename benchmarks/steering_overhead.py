@@ -283,8 +283,9 @@ def load_adapters(llm: LLM, count: int, scale: float, seed: int) -> None:
         llm.engine.load_adapter(f"adapter{j}", state)
 
 
-# Tokens a `decode_rates` request may generate beyond its timed steps (prefill's token and
-# the warm steps among them), so that none ends inside them.
+# Tokens a `decode_rates` request may generate beyond its timed steps, the warm steps and
+# the steps that prefill the others (a request prefilled early decodes while the rest
+# prefill), so that none ends inside them.
 DECODE_SLACK = 16
 
 
@@ -329,6 +330,10 @@ def decode_rates(
             waited[0] += time.perf_counter() - t0
 
     engine = llm.engine
+    # Steps until the last prompt has its first token: each step's budget less the decode
+    # tokens of the requests already prefilled, at most one step more for the remainders.
+    budget = max(engine.config.max_num_batched_tokens - len(prompts), 1)
+    max_tokens = -(-sum(map(len, prompts)) // budget) + 1 + 4 + steps + DECODE_SLACK
     best = dict.fromkeys(configs, 0.0)
     step_s: dict[str, list[float]] = {name: [] for name in configs}
     host_s: dict[str, list[float]] = {name: [] for name in configs}
@@ -344,7 +349,7 @@ def decode_rates(
                 engine.submit_action(action)
             for i, p in enumerate(prompts):
                 cfg = params[i % len(params)]
-                engine.add_request(f"decode-{i}", p, replace(cfg, max_tokens=steps + DECODE_SLACK))
+                engine.add_request(f"decode-{i}", p, replace(cfg, max_tokens=max_tokens))
             while any(g.seqs[0].num_generated == 0 for g in engine.requests.values()):
                 engine.step()
             for _ in range(4):
@@ -380,6 +385,9 @@ def decode_rates(
                 ms = replay_ms(engine.runner, len(prompts), graph_kind(engine.runner, counts))
                 if ms is not None:
                     gpu_ms[name] = min(gpu_ms.get(name, ms), ms)
+            ended = sum(g.is_finished for g in engine.requests.values())
+            if ended or len(engine.requests) < len(prompts):  # the rate assumes the whole batch
+                raise RuntimeError(f"{name}: requests ended inside the timed decode steps")
             for rid in list(engine.requests):
                 engine.abort(rid)
             while engine.step():  # the step still in flight

@@ -46,10 +46,13 @@ def transparent_huge_pages(setting: Path = THP_SETTING) -> str:
     return text[start + 1 : end] if 0 <= start < end else "unknown"
 
 
-def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def host_empty(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, own_mapping: bool = False
+) -> torch.Tensor:
     """An uninitialised CPU tensor; one of `HUGE_BYTES` or more on huge-page-advised
-    memory."""
-    mapped = _mapped(shape, dtype)
+    memory, and with `own_mapping` any (but an empty one) on a mapping of its own, so that
+    `host_rows` slices it without copies."""
+    mapped = _mapped(shape, dtype, 1 if own_mapping else HUGE_BYTES)
     return torch.empty(shape, dtype=dtype) if mapped is None else mapped
 
 
@@ -59,9 +62,11 @@ def host_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
     return torch.zeros(shape, dtype=dtype) if mapped is None else mapped
 
 
-def _mapped(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+def _mapped(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, min_bytes: int = HUGE_BYTES
+) -> torch.Tensor | None:
     numel = math.prod(shape)
-    if numel * dtype.itemsize < HUGE_BYTES or _ADVISE is None:
+    if numel * dtype.itemsize < min_bytes or _ADVISE is None:
         return None
     mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(_ADVISE)

@@ -4,6 +4,7 @@ tensors from the allocator do."""
 from __future__ import annotations
 
 import gc
+import mmap
 import pickle
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from services.engine.host_memory import (
     HUGE_BYTES,
     host_empty,
+    host_rows,
     host_zeros,
     transparent_huge_pages,
 )
@@ -56,3 +58,19 @@ def test_the_huge_page_mode_is_the_bracketed_word(tmp_path):
     assert transparent_huge_pages(tmp_path / "absent") == "unknown"
     setting.write_text("garbled")
     assert transparent_huge_pages(setting) == "unknown"
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise on this platform")
+def test_a_small_tensor_on_a_mapping_of_its_own_gives_its_rows_without_copies():
+    """A request's capture buffer under `HUGE_BYTES` (a bfloat16 request of a small model)
+    asks for a mapping of its own, so its result is sliced off it, not copied."""
+    shape = (3, 5, 64)  # [keys, rows, H]
+    t = host_empty(shape, torch.bfloat16, own_mapping=True)
+    t.copy_(torch.randn(shape).to(torch.bfloat16))
+    rows = host_rows(t, 4)
+    for j, r in enumerate(rows):
+        assert torch.equal(r, t[j, :4]) and r.is_contiguous()
+        assert r.data_ptr() == t[j].data_ptr()  # a slice of the mapping, no copy
+    assert torch.equal(pickle.loads(pickle.dumps(rows[1])), t[1, :4])  # its rows alone
+    small = host_empty(shape, torch.bfloat16)  # the allocator's: copied out
+    assert host_rows(small, 4)[1].data_ptr() != small[1].data_ptr()
