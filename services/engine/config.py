@@ -91,9 +91,10 @@ class EngineConfig:
     # Tensor parallelism on CUDA: each layer's all-reduces run fused with the residual add
     # and norm after them, one kernel over symmetric memory (kernels/all_reduce_norm.py).
     # None: on for two TP ranks, off for more. Measured (Llama-3-8B shape, two H200s) it
-    # takes a TP=2 step at batch 1 from 3.45 to 3.26 ms (1.36x -> 1.45x one GPU) and at
-    # batch 128 from 6.68 to 5.31; at TP=4 (Llama-3-70B shape) it gave nothing (each call
-    # pushes to three peers and waits for three). Unavailable, it is logged and kept apart.
+    # takes a TP=2 step at batch 1 from 3.45 to 3.26 ms (1.36x -> 1.45x one GPU), at batch
+    # 32 from 4.10 to 3.87, and at batch 128 level or faster (5.86 / 5.88, 6.68 / 5.31 in
+    # two runs); at TP=4 (Llama-3-70B shape) it gave nothing (each call pushes to three
+    # peers and waits for three). Unavailable, it is logged and kept apart.
     fused_all_reduce_norm: bool | None = None
     # CUDA: decoder Linears of steps with at most 16 tokens (small-batch decode) run one
     # Triton kernel each instead of cuBLAS (no split-K reduction), the gated MLP's

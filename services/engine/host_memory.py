@@ -47,12 +47,11 @@ def transparent_huge_pages(setting: Path = THP_SETTING) -> str:
 
 
 def host_empty(
-    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, own_mapping: bool = False
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, min_mapped_bytes: int = HUGE_BYTES
 ) -> torch.Tensor:
-    """An uninitialised CPU tensor; one of `HUGE_BYTES` or more on huge-page-advised
-    memory, and with `own_mapping` any (but an empty one) on a mapping of its own, so that
-    `host_rows` slices it without copies."""
-    mapped = _mapped(shape, dtype, 1 if own_mapping else HUGE_BYTES)
+    """An uninitialised CPU tensor; one of `min_mapped_bytes` or more on a huge-page-advised
+    mapping of its own (which `host_rows` slices without copies)."""
+    mapped = _mapped(shape, dtype, min_mapped_bytes)
     return torch.empty(shape, dtype=dtype) if mapped is None else mapped
 
 

@@ -81,6 +81,13 @@ class _BlockRows:
 
     FIRST_ROWS = 64  # rows at first where a request's length is not known
     FIRST_BYTES = 1 << 30  # at most at first (a mapping's untouched pages cost nothing)
+    # Buffers from this size get a mapping of their own, so a result is its buffer sliced:
+    # a bfloat16 request of the Qwen3-0.6B shape (28 keys x 41 rows, 2.4 MB) was copied
+    # out key by key under the 4 MB default, 1.7 ms on the engine's thread on an H200 host.
+    # Not smaller: each kept result holds its mapping, and a process has a limit of them
+    # (vm.max_map_count, 65,530 by default), which results kept by the thousand (a probe
+    # dataset's last-prompt rows) would reach.
+    SLICED_BYTES = 1 << 20
 
     def __init__(self, keys: list[str], dtype: torch.dtype, max_rows: int | None):
         self.keys, self.dtype, self.max_rows = keys, dtype, max_rows
@@ -101,11 +108,9 @@ class _BlockRows:
                 row_bytes = len(self.keys) * hidden * self.dtype.itemsize
                 rows = min(self.max_rows or self.FIRST_ROWS, self.FIRST_BYTES // row_bytes)
                 rows = max(rows, i + 1)
-            # On a mapping of its own whatever its size: the result is then each key's rows
-            # sliced off it (`host_rows`), not copied (28 copies a bfloat16 request of the
-            # Qwen3-0.6B shape, under the size that gets a mapping: 1.7 ms on the engine's
-            # thread when it finished, on an H200 host).
-            grown = host_empty((len(self.keys), rows, hidden), self.dtype, own_mapping=True)
+            # On a mapping of its own from SLICED_BYTES: the result is then each key's rows
+            # sliced off it (`host_rows`), not copied.
+            grown = host_empty((len(self.keys), rows, hidden), self.dtype, self.SLICED_BYTES)
             if self.buf is not None:
                 grown[:, :have].copy_(self.buf)
             self.buf = grown

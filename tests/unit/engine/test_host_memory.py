@@ -61,11 +61,11 @@ def test_the_huge_page_mode_is_the_bracketed_word(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise on this platform")
-def test_a_small_tensor_on_a_mapping_of_its_own_gives_its_rows_without_copies():
+def test_a_tensor_under_the_default_size_on_a_mapping_of_its_own_gives_rows_without_copies():
     """A request's capture buffer under `HUGE_BYTES` (a bfloat16 request of a small model)
-    asks for a mapping of its own, so its result is sliced off it, not copied."""
+    asks for a mapping from a smaller size, so its result is sliced off it, not copied."""
     shape = (3, 5, 64)  # [keys, rows, H]
-    t = host_empty(shape, torch.bfloat16, own_mapping=True)
+    t = host_empty(shape, torch.bfloat16, min_mapped_bytes=1024)
     t.copy_(torch.randn(shape).to(torch.bfloat16))
     rows = host_rows(t, 4)
     for j, r in enumerate(rows):
