@@ -84,6 +84,11 @@ class EngineConfig:
     # warned once). None: 3 steps of `graph_capture_rows` (one block copying, one
     # draining, one being written).
     capture_host_rows: int | None = None
+    # The capture sink copies each decode block's rows into the requests' buffers by a few
+    # `index_copy_` calls (runs of rows whose buffers share a chunk of a host arena) rather
+    # than a view a request (interventions/capture.py): the GIL held for a few calls a
+    # block, not 128. Off by default: not yet measured on a GPU host.
+    capture_scatter: bool = False
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (not while a patch is still ahead of a request or a sync consumer is
     # attached, which read what the step before brings back; see LLMEngine._can_overlap).
