@@ -509,6 +509,7 @@ def test_decode_captures_replay_the_capture_graph_and_equal_eager(
     With `capture_scatter` the sink's copies by runs give the same rows."""
     path = tiny_checkpoint("qwen3")
     graph, engine = _run_captures(path, dtype, eager=False, host_rows=host_rows, scatter=scatter)
+    assert (engine.interventions.sink.num_scattered > 0) == scatter  # the path it asked for
     eager, eager_engine = _run_captures(path, dtype, eager=True)
     stats = engine.stats()
     pool = engine.runner.readback.host_rows

@@ -132,6 +132,7 @@ class _BlockRows:
         self.num_rows = 0  # rows assigned so far (engine thread)
         self.buf: torch.Tensor | None = None  # assembler thread
         self.chunk: torch.Tensor | None = None  # the `_Arena` chunk `buf` is a region of
+        self.first = self.capacity = 0  # `buf`'s first row in `chunk`; its rows a key
         self.last: Future | None = None
         self.error: BaseException | None = None  # why a row of it was lost, if one was
 
@@ -151,8 +152,11 @@ class _BlockRows:
             if arena is None:
                 grown = host_empty(shape, self.dtype, self.SLICED_BYTES)
             else:
-                grown = arena.region(len(self.keys) * rows, hidden).view(shape)
-                self.chunk = arena.chunk  # keeps the chunk's mapping known (`host_rows`)
+                region = arena.region(len(self.keys) * rows, hidden)
+                # The chunk (kept: its mapping stays known to `host_rows`), the region's
+                # first row in it, and its rows a key: where `_scatter` writes.
+                self.chunk, self.first, self.capacity = arena.chunk, arena.used - len(region), rows
+                grown = region.view(shape)
             if self.buf is not None:
                 grown[:, :have].copy_(self.buf)
             self.buf = grown
@@ -170,6 +174,7 @@ class InlineCaptureSink:
 
     def __init__(self, scatter: bool = False) -> None:
         self.scatter = scatter  # block rows by `_scatter` into `_Arena` chunks (above)
+        self.num_scattered = 0  # block rows `_scatter` copied (the assembler's count)
         # request -> key -> position -> [H] (float32), from eager copies
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         self._eager: dict[str, set[int]] = {}  # request -> positions in `_rows`
@@ -244,7 +249,8 @@ class InlineCaptureSink:
             if buf is None or i >= buf.shape[1]:
                 continue  # its buffer could not be had (marked above)
             cols = block.columns(rows.slots)
-            if self.scatter and cols is None and buf.dtype == host.dtype and row not in taken:
+            fits = rows.chunk is not None and cols is None and buf.dtype == host.dtype
+            if fits and row not in taken:
                 whole.append(job)
                 taken.add(row)
             else:  # other columns, another dtype, a row taken twice (or no scatter): alone
@@ -256,6 +262,7 @@ class InlineCaptureSink:
         if whole:
             try:
                 self._scatter(host, whole)
+                self.num_scattered += len(whole)
             except Exception as exc:
                 for rows, _, _ in whole:
                     rows.error = rows.error or exc
@@ -268,36 +275,26 @@ class InlineCaptureSink:
     @staticmethod
     def _scatter(host: torch.Tensor, jobs: list[tuple[_BlockRows, int, int]]) -> None:
         """Copy block rows `host` ([T, C, H]) into the jobs' buffers: row t, column k of job
-        (rows, i, t) goes to row `first + k * capacity + i` of the chunk `rows.buf` ([C,
-        capacity, H]) is carved from, starting at its row `first`. One `index_copy_` per
-        run of consecutive block rows whose buffers share a chunk (the run's rows of
-        `host` are a view: nothing is gathered first)."""
+        (rows, i, t) goes to row `rows.first + k * rows.capacity + i` of `rows.chunk`. One
+        `index_copy_` per run of consecutive block rows whose buffers share a chunk (the
+        run's rows of `host` are a view: nothing is gathered first)."""
         width, hidden = host.shape[1], host.shape[2]
         jobs = sorted(jobs, key=lambda job: job[2])
-        row_bytes = hidden * host.element_size()
-        storages, firsts, steps = [], [], []
-        for rows, i, _ in jobs:
-            buf = rows.buf
-            assert buf is not None
-            storage = buf.untyped_storage()
-            storages.append(storage)
-            firsts.append((buf.data_ptr() - storage.data_ptr()) // row_bytes + i)
-            steps.append(buf.shape[1])
-        index = torch.tensor(firsts)[:, None] + torch.tensor(steps)[:, None] * torch.arange(width)
+        firsts = torch.tensor([rows.first + i for rows, i, _ in jobs])
+        steps = torch.tensor([rows.capacity for rows, _, _ in jobs])
+        index = firsts[:, None] + steps[:, None] * torch.arange(width)
         flat = host.view(-1, hidden)
         start = 0
         for end in range(1, len(jobs) + 1):
             if end < len(jobs) and (
-                jobs[end][2] == jobs[end - 1][2] + 1
-                and storages[end].data_ptr() == storages[start].data_ptr()
+                jobs[end][2] == jobs[end - 1][2] + 1 and jobs[end][0].chunk is jobs[start][0].chunk
             ):
                 continue  # the run goes on
-            storage, t = storages[start], jobs[start][2]
-            chunk = torch.empty(0, dtype=host.dtype).set_(
-                storage, 0, (len(storage) // row_bytes, hidden)
+            chunk, t = jobs[start][0].chunk, jobs[start][2]
+            assert chunk is not None
+            chunk.index_copy_(
+                0, index[start:end].view(-1), flat[t * width : (t + end - start) * width]
             )
-            rows_of_run = flat[t * width : (t + end - start) * width]
-            chunk.index_copy_(0, index[start:end].view(-1), rows_of_run)
             start = end
 
     def result(
