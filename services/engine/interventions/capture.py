@@ -93,16 +93,16 @@ class _Arena:
         self.chunk: torch.Tensor | None = None  # [rows, H] of the chunk being carved
         self.used = 0  # its rows handed out
 
-    def region(self, rows: int, hidden: int) -> torch.Tensor:
-        """`rows` fresh rows of `hidden`, contiguous, in the current chunk (a new one if
-        they do not fit, or if `hidden` is not the chunk's)."""
+    def region(self, rows: int, hidden: int) -> tuple[torch.Tensor, int]:
+        """The chunk holding `rows` fresh rows of `hidden`, contiguous, and the first of
+        them: the current chunk, or a new one if they do not fit or `hidden` is not its."""
         chunk = self.chunk
         if chunk is None or chunk.shape[1] != hidden or self.used + rows > chunk.shape[0]:
             per_chunk = max(rows, self.CHUNK_BYTES // (hidden * self.dtype.itemsize))
             chunk = self.chunk = host_empty((per_chunk, hidden), self.dtype)
             self.used = 0
         start, self.used = self.used, self.used + rows
-        return chunk[start : self.used]
+        return chunk, start
 
 
 class _BlockRows:
@@ -132,7 +132,7 @@ class _BlockRows:
         self.num_rows = 0  # rows assigned so far (engine thread)
         self.buf: torch.Tensor | None = None  # assembler thread
         self.chunk: torch.Tensor | None = None  # the `_Arena` chunk `buf` is a region of
-        self.first = self.capacity = 0  # `buf`'s first row in `chunk`; its rows a key
+        self.first = 0  # `buf`'s first row in `chunk`
         self.last: Future | None = None
         self.error: BaseException | None = None  # why a row of it was lost, if one was
 
@@ -152,11 +152,10 @@ class _BlockRows:
             if arena is None:
                 grown = host_empty(shape, self.dtype, self.SLICED_BYTES)
             else:
-                region = arena.region(len(self.keys) * rows, hidden)
-                # The chunk (kept: its mapping stays known to `host_rows`), the region's
-                # first row in it, and its rows a key: where `_scatter` writes.
-                self.chunk, self.first, self.capacity = arena.chunk, arena.used - len(region), rows
-                grown = region.view(shape)
+                # The chunk is kept (its mapping stays known to `host_rows`), and where in it
+                # the buffer starts: where `_scatter` writes.
+                self.chunk, self.first = arena.region(len(self.keys) * rows, hidden)
+                grown = self.chunk[self.first : self.first + len(self.keys) * rows].view(shape)
             if self.buf is not None:
                 grown[:, :have].copy_(self.buf)
             self.buf = grown
@@ -235,8 +234,8 @@ class InlineCaptureSink:
         for rows, i in top.items():
             try:
                 arena = None
-                if self.scatter:
-                    arena = self._arenas.setdefault(rows.dtype, _Arena(rows.dtype))
+                if self.scatter and (arena := self._arenas.get(rows.dtype)) is None:
+                    arena = self._arenas[rows.dtype] = _Arena(rows.dtype)
                 rows.reserve(i, host.shape[-1], arena)
             except Exception as exc:  # e.g. no memory for its buffer
                 rows.error = rows.error or exc
@@ -275,13 +274,14 @@ class InlineCaptureSink:
     @staticmethod
     def _scatter(host: torch.Tensor, jobs: list[tuple[_BlockRows, int, int]]) -> None:
         """Copy block rows `host` ([T, C, H]) into the jobs' buffers: row t, column k of job
-        (rows, i, t) goes to row `rows.first + k * rows.capacity + i` of `rows.chunk`. One
-        `index_copy_` per run of consecutive block rows whose buffers share a chunk (the
-        run's rows of `host` are a view: nothing is gathered first)."""
+        (rows, i, t) goes to row `rows.first + k * capacity + i` of `rows.chunk`, where
+        `rows.buf` is `[C, capacity, H]`. One `index_copy_` per run of consecutive block
+        rows whose buffers share a chunk (the run's rows of `host` are a view: nothing is
+        gathered first)."""
         width, hidden = host.shape[1], host.shape[2]
         jobs = sorted(jobs, key=lambda job: job[2])
         firsts = torch.tensor([rows.first + i for rows, i, _ in jobs])
-        steps = torch.tensor([rows.capacity for rows, _, _ in jobs])
+        steps = torch.tensor([rows.buf.shape[1] for rows, _, _ in jobs])  # type: ignore[union-attr]
         index = firsts[:, None] + steps[:, None] * torch.arange(width)
         flat = host.view(-1, hidden)
         start = 0
