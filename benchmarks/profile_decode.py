@@ -153,11 +153,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--engine-detokenizes", action="store_true")
-    p.add_argument(
-        "--capture-scatter",
-        action="store_true",
-        help="EngineConfig.capture_scatter: the sink copies block rows by runs",
-    )
     p.add_argument("--batch-sizes", default="1,32,128")
     p.add_argument(
         "--capture",
@@ -185,7 +180,6 @@ def main() -> None:
     cfg = EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=128,
         max_num_batched_tokens=8192, max_model_len=1024, enable_prefix_caching=False,
-        capture_scatter=args.capture_scatter,
     )  # fmt: skip
     engine = LLMEngine(path, cfg)
     freeze_startup_heap()  # as a serving process does (`coxswain serve`)

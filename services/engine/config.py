@@ -84,12 +84,6 @@ class EngineConfig:
     # warned once). None: 3 steps of `graph_capture_rows` (one block copying, one
     # draining, one being written).
     capture_host_rows: int | None = None
-    # The capture sink copies each decode block's rows into the requests' buffers by a few
-    # `index_copy_` calls (runs of rows whose buffers share a chunk of a host arena) rather
-    # than a view and a copy a request (interventions/capture.py): a few GIL handoffs a
-    # block, not one a request. A kept result keeps its chunk's written pages (256 MiB at
-    # most). Off by default: not yet measured on a GPU host.
-    capture_scatter: bool = False
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (not while a patch is still ahead of a request or a sync consumer is
     # attached, which read what the step before brings back; see LLMEngine._can_overlap).

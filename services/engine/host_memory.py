@@ -76,21 +76,18 @@ def _mapped(
 
 
 def host_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """`t[j, :n]` for each `j` of a tensor `t` of shape `[K, rows, ...]`, each on a storage
-    of its own holding those rows alone: each is contiguous, and pickled (to another
-    process) sends its own rows, where a view `t[j, :n]` would send all of `t`'s storage.
-    No copy where `t` is a contiguous part of a `host_empty` mapping whose tensor is alive
-    (slices of the mapping); a copy of the rows elsewhere."""
-    base = t.untyped_storage().data_ptr()
-    mapping = _MAPPINGS.get(base)
-    offset = t.data_ptr() - base
-    size = t.numel() * t.element_size()
-    if mapping is None or not t.is_contiguous() or offset + size > len(mapping):
-        return [t[j, :n].clone() for j in range(len(t))]  # not on a mapping: copies
+    """`t[j, :n]` for each `j` of a `host_empty` tensor `t` of shape `[K, rows, ...]`, each
+    on a storage of its own holding those rows alone: each is contiguous, and pickled (to
+    another process) sends its own rows, where a view `t[j, :n]` would send all of `t`.
+    No copy where `t` is on a mapping (its slices of it); a copy of the rows where `t` is
+    smaller than `HUGE_BYTES`."""
+    mapping = _MAPPINGS.get(t.data_ptr())
+    if mapping is None or not t.is_contiguous() or t.numel() * t.element_size() != len(mapping):
+        return [t[j, :n].clone() for j in range(len(t))]  # not a whole mapping: copies
     row = math.prod(t.shape[2:])
     stride = t.shape[1] * row * t.dtype.itemsize
     return [
-        torch.frombuffer(mapping, dtype=t.dtype, count=n * row, offset=offset + j * stride).view(
+        torch.frombuffer(mapping, dtype=t.dtype, count=n * row, offset=j * stride).view(
             n, *t.shape[2:]
         )
         for j in range(len(t))

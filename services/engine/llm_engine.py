@@ -141,7 +141,6 @@ class LLMEngine:
             probe_columns=cfg.readout_probes_per_site,
             action_queue_size=cfg.action_queue_size,
             capture_rows=capture_rows,
-            capture_scatter=cfg.capture_scatter,
         )
         self.runner.readback = Readback(
             self.runner.max_num_batched_tokens,

@@ -18,15 +18,6 @@ the engine's thread cost 12 ms a request on an H200 host (13% of plain decode at
 128). So the rows go into the request's own host buffer as its blocks come back, on a
 thread of the sink's own (`capture-assemble`: a block's rows are copied while the engine
 runs the next steps), and a finished request's result is a view of that buffer.
-
-With `scatter` (`EngineConfig.capture_scatter`, off by default until it has run on a GPU
-host) the buffers are regions of large host chunks (`_Arena`), and a block's rows reach
-the requests that take them whole (the block's columns, in its dtype: the common case) by
-one `index_copy_` per run of consecutive block rows whose buffers share a chunk (a few a
-block), calls that let the GIL go for the whole copy, where the default takes a view a
-request, holding the GIL for each (128 a step at batch 128: on an H200 host the assembler
-took about a tenth of the engine thread's steps). A result is then a slice of its chunk,
-and the chunk's memory goes when its last result does.
 """
 
 from __future__ import annotations
@@ -79,41 +70,14 @@ def _slot(key: str) -> int:
     return capture_slot(int(layer), parse_site(site))
 
 
-class _Arena:
-    """Host chunks of one dtype, each a `host_empty` mapping (pages fault in as written),
-    out of which request buffers are carved one after another: requests admitted together
-    sit together, so a block's rows go to few chunks. The arena lets go of a chunk when it
-    makes the next; the chunk lives on in the buffers and results cut from it (a kept
-    result keeps its chunk's written pages: at most `CHUNK_BYTES`, or one buffer)."""
-
-    CHUNK_BYTES = 256 << 20
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.chunk: torch.Tensor | None = None  # [rows, H] of the chunk being carved
-        self.used = 0  # its rows handed out
-
-    def region(self, rows: int, hidden: int) -> tuple[torch.Tensor, int]:
-        """The chunk holding `rows` fresh rows of `hidden`, contiguous, and the first of
-        them: the current chunk, or a new one if they do not fit or `hidden` is not its."""
-        chunk = self.chunk
-        if chunk is None or chunk.shape[1] != hidden or self.used + rows > chunk.shape[0]:
-            per_chunk = max(rows, self.CHUNK_BYTES // (hidden * self.dtype.itemsize))
-            chunk = self.chunk = host_empty((per_chunk, hidden), self.dtype)
-            self.used = 0
-        start, self.used = self.used, self.used + rows
-        return chunk, start
-
-
 class _BlockRows:
     """One request's rows from decode blocks: `[len(keys), capacity, H]` host rows in the
-    request's dtype (a region of an `_Arena` chunk), a row a position in the order the
-    positions came (a position computed again, after a preemption, writes its row again).
-    The engine's thread assigns the rows (`row_of`); the assembler thread allocates, grows
-    (doubling) and fills them; a reader waits for the last job that wrote here (`last`).
-    Each key's rows are a prefix of its part of the buffer, so the result is a tensor of
-    each key's rows alone (`host_rows`: contiguous, and pickling one sends its rows only)
-    without a copy."""
+    request's dtype, a row a position in the order the positions came (a position computed
+    again, after a preemption, writes its row again). The engine's thread assigns the rows
+    (`row_of`); the assembler thread allocates, grows (doubling) and fills them; a reader
+    waits for the last job that wrote here (`last`). Each key's rows are a prefix of its
+    part of the buffer, so the result is a tensor of each key's rows alone (`host_rows`:
+    contiguous, and pickling one sends its rows only) without a copy."""
 
     FIRST_ROWS = 64  # rows at first where a request's length is not known
     FIRST_BYTES = 1 << 30  # at most at first (a mapping's untouched pages cost nothing)
@@ -122,7 +86,7 @@ class _BlockRows:
     # out key by key under the 4 MB default, 1.7 ms on the engine's thread on an H200 host.
     # Not smaller: each kept result holds its mapping, and a process has a limit of them
     # (vm.max_map_count, 65,530 by default), which results kept by the thousand (a probe
-    # dataset's last-prompt rows) would reach. (An arena's buffers share its chunks.)
+    # dataset's last-prompt rows) would reach.
     SLICED_BYTES = 1 << 20
 
     def __init__(self, keys: list[str], dtype: torch.dtype, max_rows: int | None):
@@ -131,15 +95,11 @@ class _BlockRows:
         self.row_of: dict[int, int] = {}  # position -> row (engine thread)
         self.num_rows = 0  # rows assigned so far (engine thread)
         self.buf: torch.Tensor | None = None  # assembler thread
-        self.chunk: torch.Tensor | None = None  # the `_Arena` chunk `buf` is a region of
-        self.first = 0  # `buf`'s first row in `chunk`
         self.last: Future | None = None
         self.error: BaseException | None = None  # why a row of it was lost, if one was
 
-    def reserve(self, i: int, hidden: int, arena: _Arena | None = None) -> None:
-        """Allocate the buffer, or grow it, to hold row `i`: a region of `arena`, or of
-        its own (from `SLICED_BYTES` a mapping of its own), so the result is each key's
-        rows sliced off it (`host_rows`), not copied."""
+    def reserve(self, i: int, hidden: int) -> None:
+        """Allocate the buffer, or grow it, to hold row `i`."""
         have = 0 if self.buf is None else self.buf.shape[1]
         if i >= have:
             if have:
@@ -148,14 +108,9 @@ class _BlockRows:
                 row_bytes = len(self.keys) * hidden * self.dtype.itemsize
                 rows = min(self.max_rows or self.FIRST_ROWS, self.FIRST_BYTES // row_bytes)
                 rows = max(rows, i + 1)
-            shape = (len(self.keys), rows, hidden)
-            if arena is None:
-                grown = host_empty(shape, self.dtype, self.SLICED_BYTES)
-            else:
-                # The chunk is kept (its mapping stays known to `host_rows`), and where in it
-                # the buffer starts: where `_scatter` writes.
-                self.chunk, self.first = arena.region(len(self.keys) * rows, hidden)
-                grown = self.chunk[self.first : self.first + len(self.keys) * rows].view(shape)
+            # On a mapping of its own from SLICED_BYTES: the result is then each key's rows
+            # sliced off it (`host_rows`), not copied.
+            grown = host_empty((len(self.keys), rows, hidden), self.dtype, self.SLICED_BYTES)
             if self.buf is not None:
                 grown[:, :have].copy_(self.buf)
             self.buf = grown
@@ -171,14 +126,11 @@ class _BlockRows:
 class InlineCaptureSink:
     """Keeps captures in memory until the request's final output carries them."""
 
-    def __init__(self, scatter: bool = False) -> None:
-        self.scatter = scatter  # block rows by `_scatter` into `_Arena` chunks (above)
-        self.num_scattered = 0  # block rows `_scatter` copied (the assembler's count)
+    def __init__(self) -> None:
         # request -> key -> position -> [H] (float32), from eager copies
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         self._eager: dict[str, set[int]] = {}  # request -> positions in `_rows`
         self._blocks: dict[str, _BlockRows] = {}  # request -> its rows from decode blocks
-        self._arenas: dict[torch.dtype, _Arena] = {}  # the assembler's, with `scatter`
         # the assembler: its thread starts with the first block
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="capture-assemble")
 
@@ -214,12 +166,12 @@ class InlineCaptureSink:
         for rows, _, _ in jobs:
             rows.last = done
 
-    def _assemble(self, block: Any, jobs: list[tuple[_BlockRows, int, int]]) -> None:
-        """Copy each request's row of `block` into its buffer (the assembler thread): with
-        `scatter`, the rows of requests that take the block's columns in its dtype by a
-        few `index_copy_` calls (`_scatter`); the others (all, without it) by one
-        `_foreach_copy_` of a view a request. A row that cannot be had or kept marks
-        its request (its result raises), not the others."""
+    @staticmethod
+    def _assemble(block: Any, jobs: list[tuple[_BlockRows, int, int]]) -> None:
+        """Copy each request's row of `block` into its buffer (the assembler thread), all
+        in one call that holds the GIL only to start (`_foreach_copy_`): the engine's
+        thread needs it too. A row that cannot be had or kept marks its request (its
+        result raises), not the others."""
         try:
             host = block.rows()  # waits for the drain; raises if the rows were lost
         except Exception as exc:
@@ -233,69 +185,28 @@ class InlineCaptureSink:
             top[rows] = max(i, top.get(rows, i))
         for rows, i in top.items():
             try:
-                arena = None
-                if self.scatter and (arena := self._arenas.get(rows.dtype)) is None:
-                    arena = self._arenas[rows.dtype] = _Arena(rows.dtype)
-                rows.reserve(i, host.shape[-1], arena)
+                rows.reserve(i, host.shape[-1])
             except Exception as exc:  # e.g. no memory for its buffer
                 rows.error = rows.error or exc
-        whole: list[tuple[_BlockRows, int, int]] = []  # jobs `_scatter` copies
-        taken: set[int] = set()  # their block rows
+        # Views by plain indexing, which keeps the GIL, where a method (`select`) would let
+        # it go and take it back: 128 handoffs a step to the engine's thread, each a wait
+        # for it. (A request asking other columns than the block's is gathered by a tensor
+        # index, which still lets it go: one handoff for each such row.)
+        by_row = host.unbind(0)
         dsts, srcs, kept = [], [], []
-        for job in jobs:
-            rows, i, row = job
+        for rows, i, row in jobs:
             buf = rows.buf
             if buf is None or i >= buf.shape[1]:
                 continue  # its buffer could not be had (marked above)
             cols = block.columns(rows.slots)
-            fits = rows.chunk is not None and cols is None and buf.dtype == host.dtype
-            if fits and row not in taken:
-                whole.append(job)
-                taken.add(row)
-            else:  # other columns, another dtype, a row taken twice (or no scatter): alone
-                # Views by plain indexing, which keeps the GIL, where a method (`select`)
-                # would let it go and take it back: a handoff to the engine's thread each.
-                dsts.append(buf[:, i])
-                srcs.append(host[row] if cols is None else host[row][cols])
-                kept.append(rows)
-        if whole:
-            try:
-                self._scatter(host, whole)
-                self.num_scattered += len(whole)
-            except Exception as exc:
-                for rows, _, _ in whole:
-                    rows.error = rows.error or exc
+            dsts.append(buf[:, i])
+            srcs.append(by_row[row] if cols is None else by_row[row][cols])
+            kept.append(rows)
         try:
             torch._foreach_copy_(dsts, srcs)
         except Exception as exc:
             for rows in kept:
                 rows.error = rows.error or exc
-
-    @staticmethod
-    def _scatter(host: torch.Tensor, jobs: list[tuple[_BlockRows, int, int]]) -> None:
-        """Copy block rows `host` ([T, C, H]) into the jobs' buffers: row t, column k of job
-        (rows, i, t) goes to row `rows.first + k * capacity + i` of `rows.chunk`, where
-        `rows.buf` is `[C, capacity, H]`. One `index_copy_` per run of consecutive block
-        rows whose buffers share a chunk (the run's rows of `host` are a view: nothing is
-        gathered first)."""
-        width, hidden = host.shape[1], host.shape[2]
-        jobs = sorted(jobs, key=lambda job: job[2])
-        firsts = torch.tensor([rows.first + i for rows, i, _ in jobs])
-        steps = torch.tensor([rows.buf.shape[1] for rows, _, _ in jobs])  # type: ignore[union-attr]
-        index = firsts[:, None] + steps[:, None] * torch.arange(width)
-        flat = host.view(-1, hidden)
-        start = 0
-        for end in range(1, len(jobs) + 1):
-            if end < len(jobs) and (
-                jobs[end][2] == jobs[end - 1][2] + 1 and jobs[end][0].chunk is jobs[start][0].chunk
-            ):
-                continue  # the run goes on
-            chunk, t = jobs[start][0].chunk, jobs[start][2]
-            assert chunk is not None
-            chunk.index_copy_(
-                0, index[start:end].view(-1), flat[t * width : (t + end - start) * width]
-            )
-            start = end
 
     def result(
         self, request_id: str, dtype: torch.dtype = torch.float32

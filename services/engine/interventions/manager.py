@@ -67,7 +67,6 @@ class InterventionManager(SteeringControl):
         probe_columns: int = 8,
         action_queue_size: int = 1024,
         capture_rows: int = 0,
-        capture_scatter: bool = False,
         registry: VectorRegistry | None = None,
     ):
         self.num_layers, self.hidden_size, self.device = num_layers, hidden_size, device
@@ -82,7 +81,7 @@ class InterventionManager(SteeringControl):
         )
         self.queue = ActionQueue(action_queue_size)
         self.counters = ActionCounters()
-        self.sink: CaptureSink = InlineCaptureSink(scatter=capture_scatter)
+        self.sink: CaptureSink = InlineCaptureSink()
         # The step's two halves: planning it (pure) and observing what it read back.
         self.planner = StepPlanner(self.tables, device, capture_rows)
         self.observer = StepObserver(

@@ -74,18 +74,3 @@ def test_a_tensor_under_the_default_size_on_a_mapping_of_its_own_gives_rows_with
     assert torch.equal(pickle.loads(pickle.dumps(rows[1])), t[1, :4])  # its rows alone
     small = host_empty(shape, torch.bfloat16)  # the allocator's: copied out
     assert host_rows(small, 4)[1].data_ptr() != small[1].data_ptr()
-
-
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise on this platform")
-def test_rows_of_a_part_of_a_mapping_are_slices_of_it():
-    """A request's capture buffer may be a region of a larger mapping (a chunk of the
-    sink's arena): its rows come back as slices of the mapping, each pickling its own
-    rows, not copies."""
-    chunk = host_empty((HUGE_BYTES // 256, 64), torch.float32)  # [rows, H]
-    part = chunk[40:55].view(3, 5, 64)  # [keys, rows, H], starting at row 40
-    part.copy_(torch.randn(3, 5, 64))
-    rows = host_rows(part, 4)
-    for j, r in enumerate(rows):
-        assert torch.equal(r, part[j, :4]) and r.is_contiguous()
-        assert r.data_ptr() == part[j].data_ptr()  # a slice of the mapping, no copy
-    assert torch.equal(pickle.loads(pickle.dumps(rows[1])), part[1, :4])  # its rows alone

@@ -18,12 +18,6 @@ SLOTS = tuple(capture_slot(layer, site) for layer in (0, 1) for site in ("post_a
 KEYS = ["0.post_attn", "0.post_block", "1.post_attn", "1.post_block"]
 
 
-@pytest.fixture(params=[False, True], ids=["per-row", "scatter"])
-def new_sink(request):
-    """Sinks of both ways of copying block rows (`InlineCaptureSink.scatter`)."""
-    return lambda: InlineCaptureSink(scatter=request.param)
-
-
 def _blocks(n: int, dtype: torch.dtype = torch.float32) -> list[CapturedBlock]:
     g = torch.Generator().manual_seed(0)
     return [
@@ -31,8 +25,8 @@ def _blocks(n: int, dtype: torch.dtype = torch.float32) -> list[CapturedBlock]:
     ]
 
 
-def test_block_rows_come_back_per_key_in_position_order(new_sink):
-    sink, blocks = new_sink(), _blocks(4)
+def test_block_rows_come_back_per_key_in_position_order():
+    sink, blocks = InlineCaptureSink(), _blocks(4)
     for p, block in reversed(list(enumerate(blocks))):  # written out of order
         sink.write_block(block, [BlockWrite("r", 10 + p, 2, KEYS, torch.float32)])
     got = sink.result("r")
@@ -44,8 +38,8 @@ def test_block_rows_come_back_per_key_in_position_order(new_sink):
         assert torch.equal(rows[key], want)
 
 
-def test_a_subset_of_the_blocks_keys_in_another_order_reads_their_columns(new_sink):
-    sink, blocks = new_sink(), _blocks(3)
+def test_a_subset_of_the_blocks_keys_in_another_order_reads_their_columns():
+    sink, blocks = InlineCaptureSink(), _blocks(3)
     keys = ["1.post_block", "0.post_attn"]  # columns 3 and 0
     for p, block in enumerate(blocks):
         sink.write_block(block, [BlockWrite("r", p, 1, keys, torch.float32)])
@@ -54,8 +48,8 @@ def test_a_subset_of_the_blocks_keys_in_another_order_reads_their_columns(new_si
     assert torch.equal(rows["0.post_attn"], torch.stack([b.host[1, 0] for b in blocks]))
 
 
-def test_bf16_blocks_widen_exactly_and_eager_positions_fill_their_place(new_sink):
-    sink, blocks = new_sink(), _blocks(2, torch.bfloat16)
+def test_bf16_blocks_widen_exactly_and_eager_positions_fill_their_place():
+    sink, blocks = InlineCaptureSink(), _blocks(2, torch.bfloat16)
     eager = torch.randn(1, H)
     for key in KEYS:  # the prompt's last token, copied eagerly
         sink.write("r", key, [4], eager + KEYS.index(key))
@@ -69,8 +63,8 @@ def test_bf16_blocks_widen_exactly_and_eager_positions_fill_their_place(new_sink
         assert torch.equal(rows[key][1:], torch.stack([b.host[0, j] for b in blocks]).float())
 
 
-def test_a_position_recomputed_through_a_block_replaces_its_eager_copy(new_sink):
-    sink, blocks = new_sink(), _blocks(1)
+def test_a_position_recomputed_through_a_block_replaces_its_eager_copy():
+    sink, blocks = InlineCaptureSink(), _blocks(1)
     for key in KEYS:
         sink.write("r", key, [0], torch.full((1, H), 7.0))
     sink.write_block(blocks[0], [BlockWrite("r", 0, 1, KEYS, torch.float32)])
@@ -81,11 +75,11 @@ def test_a_position_recomputed_through_a_block_replaces_its_eager_copy(new_sink)
     assert sink.result("r") is None
 
 
-def test_a_generation_is_its_own_rows_without_a_copy_and_pickles_only_them(new_sink):
+def test_a_generation_is_its_own_rows_without_a_copy_and_pickles_only_them():
     """Three requests share each step's block; each gets its rows in order, grown past the
     first buffer (doubling): each key's rows contiguous, on the request's buffer (no copy
     when it finishes), pickling to those rows alone."""
-    sink, steps = new_sink(), 150  # past _BlockRows.FIRST_ROWS
+    sink, steps = InlineCaptureSink(), 150  # past _BlockRows.FIRST_ROWS
     g = torch.Generator().manual_seed(1)
     blocks = [
         CapturedBlock(torch.randn(3, len(SLOTS), 1024, generator=g), SLOTS) for _ in range(steps)
@@ -107,8 +101,8 @@ def test_a_generation_is_its_own_rows_without_a_copy_and_pickles_only_them(new_s
         assert len(pickle.dumps(rows)) < 1.05 * len(KEYS) * want
 
 
-def test_bf16_rows_are_kept_in_bf16_when_asked(new_sink):
-    sink, blocks = new_sink(), _blocks(2)
+def test_bf16_rows_are_kept_in_bf16_when_asked():
+    sink, blocks = InlineCaptureSink(), _blocks(2)
     for p, block in enumerate(blocks):
         sink.write_block(block, [BlockWrite("r", p, 0, KEYS, torch.bfloat16)])
     rows, _ = sink.result("r", torch.bfloat16)
@@ -117,9 +111,9 @@ def test_bf16_rows_are_kept_in_bf16_when_asked(new_sink):
         assert torch.equal(rows[key], torch.stack([b.host[0, j] for b in blocks]).bfloat16())
 
 
-def test_a_block_whose_rows_were_lost_fails_its_requests_result(new_sink):
+def test_a_block_whose_rows_were_lost_fails_its_requests_result():
     """The drain failed for a block: the request's result says so (no silent gap)."""
-    sink, (ok, lost) = new_sink(), _blocks(2)
+    sink, (ok, lost) = InlineCaptureSink(), _blocks(2)
     lost.drained, lost.error = threading.Event(), OSError("no memory")
     lost.drained.set()
     sink.write_block(ok, [BlockWrite("r", 0, 0, KEYS, torch.float32)])
@@ -136,8 +130,8 @@ def test_a_block_whose_rows_were_lost_fails_its_requests_result(new_sink):
     assert positions == [1] and torch.equal(rows[KEYS[0]][0], ok.host[0, 0])
 
 
-def test_a_position_recomputed_through_a_later_block_takes_its_rows(new_sink):
-    sink, blocks = new_sink(), _blocks(3)
+def test_a_position_recomputed_through_a_later_block_takes_its_rows():
+    sink, blocks = InlineCaptureSink(), _blocks(3)
     sink.write_block(blocks[0], [BlockWrite("r", 0, 0, KEYS, torch.float32)])
     sink.write_block(blocks[1], [BlockWrite("r", 1, 0, KEYS, torch.float32)])
     sink.write_block(blocks[2], [BlockWrite("r", 0, 1, KEYS, torch.float32)])  # after a preemption
@@ -147,66 +141,12 @@ def test_a_position_recomputed_through_a_later_block_takes_its_rows(new_sink):
     assert torch.equal(rows["0.post_block"][1], blocks[1].host[0, 1])
 
 
-def test_a_prefill_chunk_brings_several_rows_of_a_request_in_one_block_past_its_buffer(new_sink):
+def test_a_prefill_chunk_brings_several_rows_of_a_request_in_one_block_past_its_buffer():
     """A request's rows of one block (a prefill chunk's positions) land even where the
     block takes its buffer past its first size: it grows once, before any row is copied."""
-    sink, block = new_sink(), CapturedBlock(torch.randn(6, len(SLOTS), H), SLOTS)
+    sink, block = InlineCaptureSink(), CapturedBlock(torch.randn(6, len(SLOTS), H), SLOTS)
     sink.write_block(block, [BlockWrite("r", p, p, KEYS, torch.float32, 2) for p in range(6)])
     rows, positions = sink.result("r")
     assert positions == list(range(6))
     for j, key in enumerate(KEYS):
         assert torch.equal(rows[key], block.host[:, j])
-
-
-def test_a_blocks_rows_reach_every_request_across_chunks_with_rows_nobody_takes(monkeypatch):
-    """A few `index_copy_` calls carry a block's rows to the requests that take them whole
-    (`_scatter`: one a run of consecutive rows whose buffers share a chunk): a row nobody
-    takes (its request finished) or one taken alone ends a run, requests whose buffers are
-    in two chunks (a chunk filled mid-batch) each get theirs, and a request asking other
-    keys or another dtype is copied alone beside them."""
-    from services.engine.interventions.capture import _Arena
-
-    # A chunk holds 3 buffers of 4 keys x 4 rows (16 rows each).
-    monkeypatch.setattr(_Arena, "CHUNK_BYTES", 60 * H * 4)
-    g = torch.Generator().manual_seed(1)
-    blocks = [
-        CapturedBlock(torch.randn(8, len(SLOTS), H, generator=g), SLOTS) for _ in range(3)
-    ]  # row 7: a request that finished while the step ran (no write)
-    runs = []
-    scatter = InlineCaptureSink._scatter
-    monkeypatch.setattr(
-        InlineCaptureSink,
-        "_scatter",
-        staticmethod(lambda host, jobs: runs.append(len(jobs)) or scatter(host, jobs)),
-    )
-    calls = []
-    index_copy = torch.Tensor.index_copy_
-    monkeypatch.setattr(
-        torch.Tensor,
-        "index_copy_",
-        lambda t, dim, index, src: calls.append(len(index)) or index_copy(t, dim, index, src),
-    )
-    sink = InlineCaptureSink(scatter=True)
-    subset = [KEYS[3], KEYS[0]]
-    for p, block in enumerate(blocks):
-        writes = [BlockWrite(f"r{t}", p, t, KEYS, torch.float32, 4) for t in (0, 1, 3, 4, 6)]
-        writes.append(BlockWrite("sub", p, 2, subset, torch.float32, 4))  # row 5: nobody's
-        writes.append(BlockWrite("half", p, 5, KEYS, torch.bfloat16, 4))
-        sink.write_block(block, writes)
-    for t in (0, 1, 3, 4, 6):
-        rows, positions = sink.result(f"r{t}")
-        assert positions == [0, 1, 2]
-        for k, key in enumerate(KEYS):
-            want = torch.stack([b.host[t, k] for b in blocks])
-            assert torch.equal(rows[key], want), (t, key)
-    rows, _ = sink.result("sub")
-    assert torch.equal(rows[KEYS[3]], torch.stack([b.host[2, 3] for b in blocks]))
-    assert torch.equal(rows[KEYS[0]], torch.stack([b.host[2, 0] for b in blocks]))
-    rows, _ = sink.result("half", torch.bfloat16)
-    assert torch.equal(rows[KEYS[1]], torch.stack([b.host[5, 1] for b in blocks]).bfloat16())
-    chunks = {sink._blocks[f"r{t}"].buf.untyped_storage().data_ptr() for t in (0, 1, 3, 4, 6)}
-    assert len(chunks) > 1  # the batch's buffers spanned chunks
-    assert runs == [5, 5, 5]  # every block's whole-row requests in one `_scatter`
-    # ... by runs of rows 0-1, 3-4 and 6 (2 and 5 are taken alone, 7 by nobody), split again
-    # where a run's buffers change chunk: at least three calls a block, not five
-    assert sum(calls) == 5 * 3 * len(KEYS) and 9 <= len(calls) < 15
