@@ -153,6 +153,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--engine-detokenizes", action="store_true")
+    p.add_argument(
+        "--capture-arena-bytes",
+        type=int,
+        help="EngineConfig.capture_arena_bytes (default: the engine's; 0: drain and assembler)",
+    )
     p.add_argument("--batch-sizes", default="1,32,128")
     p.add_argument(
         "--capture",
@@ -180,6 +185,7 @@ def main() -> None:
     cfg = EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=128,
         max_num_batched_tokens=8192, max_model_len=1024, enable_prefix_caching=False,
+        capture_arena_bytes=args.capture_arena_bytes,
     )  # fmt: skip
     engine = LLMEngine(path, cfg)
     freeze_startup_heap()  # as a serving process does (`coxswain serve`)

@@ -516,6 +516,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-num-seqs", type=int, help="Coxswain's (default: num-seqs)")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    e.add_argument(
+        "--capture-arena-bytes",
+        type=int,
+        help="EngineConfig.capture_arena_bytes (default: the engine's; 0: drain and assembler)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per config; best counts")
     p.add_argument(
         "--profile",
@@ -620,6 +625,7 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         enable_prefix_caching=False,
         steering_request_rows=max(256, *args.ks),  # the default pool, or more if K needs it
         adapter_capacity=args.adapters if args.decode_steps else 0,
+        capture_arena_bytes=args.capture_arena_bytes,
         seed=args.seed,
     )
     # As a serving process does (`coxswain serve`, a cluster's replicas): the collector

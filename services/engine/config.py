@@ -84,6 +84,13 @@ class EngineConfig:
     # warned once). None: 3 steps of `graph_capture_rows` (one block copying, one
     # draining, one being written).
     capture_host_rows: int | None = None
+    # Host memory (bytes) that per-token capture may hold for requests' own buffers in
+    # chunks the device writes each block's rows into directly (page-locked on CUDA, taken
+    # 256 MiB at a time as requests need them): no thread of ours touches a row until the
+    # request is delivered. A request whose buffer does not fit (its positions unknown,
+    # larger than a chunk, or no room left) takes the drain's way above. None: an eighth of
+    # the host's memory, at most 16 GiB; 0: every request the drain's way.
+    capture_arena_bytes: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (not while a patch is still ahead of a request or a sync consumer is
     # attached, which read what the step before brings back; see LLMEngine._can_overlap).
@@ -150,7 +157,7 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"adapter_lora_rank must be >= 0, got {self.adapter_lora_rank}"
             )
-        for name in ("graph_capture_rows", "capture_host_rows"):
+        for name in ("graph_capture_rows", "capture_host_rows", "capture_arena_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise InvalidRequestError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

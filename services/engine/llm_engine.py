@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import pickle
 import time
 from dataclasses import asdict, replace
@@ -141,6 +142,7 @@ class LLMEngine:
             probe_columns=cfg.readout_probes_per_site,
             action_queue_size=cfg.action_queue_size,
             capture_rows=capture_rows,
+            capture_arena_bytes=self._capture_arena_bytes(),
         )
         self.runner.readback = Readback(
             self.runner.max_num_batched_tokens,
@@ -201,6 +203,14 @@ class LLMEngine:
             return 0
         rows = self.config.graph_capture_rows
         return self.config.max_num_seqs if rows is None else rows
+
+    def _capture_arena_bytes(self) -> int:
+        """`capture_arena_bytes`, or by default an eighth of the host's memory, at most
+        16 GiB (a chunk is page-locked only when requests need it)."""
+        if self.config.capture_arena_bytes is not None:
+            return self.config.capture_arena_bytes
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(total // 8, 16 << 30)
 
     # -- requests -----------------------------------------------------------------------
 

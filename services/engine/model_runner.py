@@ -580,7 +580,7 @@ class ModelRunner:
             pending.copied.record()
         if capture:  # on a stream of its own, with its own event
             pending.readback["captures"] = rb.copy_captures(
-                len(iv.block_captures), iv.block_slots, iv.block_dtype
+                len(iv.block_captures), iv.block_slots, iv.block_dtype, iv.block_placement
             )
 
     def _forward_eager(

@@ -203,11 +203,14 @@ def test_decode_steps_make_no_host_sync(tiny_checkpoint):
     assert graphed["num_graph_steps"] == 10
 
 
-def _steps_without_sync(tiny_checkpoint, params_for: Callable[[int], SamplingParams]) -> dict:
+def _steps_without_sync(
+    tiny_checkpoint, params_for: Callable[[int], SamplingParams], **config
+) -> dict:
     """Admit the prompts (prompt i with `params_for(i)`), step past their prefills and the
     graphs' warm-up, then take 10 decode steps where a synchronizing CUDA call raises; the
     engine's step counters' growth over those 10."""
-    engine = LLMEngine(tiny_checkpoint("qwen3"), EngineConfig(device="cuda", dtype="bfloat16"))
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", **config)
+    engine = LLMEngine(tiny_checkpoint("qwen3"), cfg)
     for i, p in enumerate(_prompts()):
         engine.add_request(str(i), p, params_for(i))
     for _ in range(5):  # prefills and graph warm-up
@@ -467,13 +470,17 @@ def _capture_params(
     )
 
 
-def _run_captures(path, dtype: str, eager: bool, host_rows: int | None = None, **capture):
+def _run_captures(
+    path, dtype: str, eager: bool, host_rows: int | None = None, arena: int | None = None,
+    **capture,
+):  # fmt: skip
     cfg = EngineConfig(
         device="cuda",
         dtype=dtype,
         enforce_eager=eager,
         max_num_seqs=8,
         capture_host_rows=host_rows,
+        capture_arena_bytes=arena,
     )
     engine = LLMEngine(path, cfg)
     shape = engine.model_config.hidden_size, engine.model_config.num_layers
@@ -490,22 +497,36 @@ def _run_captures(path, dtype: str, eager: bool, host_rows: int | None = None, *
 
 
 @pytest.mark.parametrize(
-    "dtype,tol,host_rows",
-    [("float32", 1e-4, 4096), ("bfloat16", 3e-2, 4096), ("float32", 1e-4, 12)],
+    "dtype,tol,host_rows,arena",
+    [
+        ("float32", 1e-4, 4096, None),  # the default: rows written into the arena
+        ("bfloat16", 3e-2, 4096, None),
+        ("float32", 1e-4, 4096, 0),  # no arena: the drain and the assembler
+        ("float32", 1e-4, 12, 0),
+    ],
 )
 def test_decode_captures_replay_the_capture_graph_and_equal_eager(
-    tiny_checkpoint, dtype, tol, host_rows
+    tiny_checkpoint, dtype, tol, host_rows, arena
 ):
-    """With a pinned reserve that holds every block, and one that holds one step's block:
-    the drain gives each block's rows back once its copy lands, so no block misses it."""
+    """By default the device writes each block's rows into the requests' pinned arena
+    buffers (no pinned run, no drain). Without an arena, with a pinned reserve that holds
+    every block and one that holds one step's block: the drain gives each block's rows back
+    once its copy lands, so no block misses it."""
     path = tiny_checkpoint("qwen3")
-    graph, engine = _run_captures(path, dtype, eager=False, host_rows=host_rows)
+    graph, engine = _run_captures(path, dtype, eager=False, host_rows=host_rows, arena=arena)
     eager, eager_engine = _run_captures(path, dtype, eager=True)
     stats = engine.stats()
     pool = engine.runner.readback.host_rows
     gc.collect()
     assert pool.num_free == host_rows  # every run came back
     assert stats["num_capture_host_misses"] == 0
+    sink = engine.interventions.sink
+    if arena is None:
+        assert stats["capture_drain_blocks"] == 0 and sink.arena.num_bytes > 0
+        chunks = [c for cs in sink.arena.chunks.values() for c in cs]
+        assert all(c.num_free == c.num_rows for c in chunks)  # every buffer went back
+    else:
+        assert stats["capture_drain_blocks"] > 10 and sink.arena is None
     assert stats["num_capture_graph_steps"] > 10 and eager_engine.stats()["num_graph_steps"] == 0
     snap = engine.steering_snapshot()["captured_tokens"]
     assert snap["block"] > 10 * len(PROMPT_LENS) // 2
@@ -519,15 +540,16 @@ def test_decode_captures_replay_the_capture_graph_and_equal_eager(
             torch.testing.assert_close(rows, w.captures[key], atol=tol, rtol=tol)
 
 
-def test_a_post_block_capture_in_bfloat16_copies_its_sites_alone(tiny_checkpoint):
+@pytest.mark.parametrize("arena", [None, 0], ids=["placed", "assembled"])
+def test_a_post_block_capture_in_bfloat16_copies_its_sites_alone(tiny_checkpoint, arena):
     """post_block of every layer, returned in bfloat16: each block holds a third of the slots,
     the rows are the float32 run's rounded, and the reserve is all free afterwards."""
     path = tiny_checkpoint("qwen3")
-    kw = dict(sites=("post_block",), capture_dtype="bfloat16")
+    kw = dict(sites=("post_block",), capture_dtype="bfloat16", arena=arena)
     graph, engine = _run_captures(path, "float32", eager=False, host_rows=64, **kw)
     wide, _ = _run_captures(path, "float32", eager=False, host_rows=64, sites=("post_block",))
     L = engine.model_config.num_layers
-    assert engine.runner.readback.drain.num_blocks > 10
+    assert (engine.runner.readback.drain.num_blocks > 10) == (arena == 0)
     gc.collect()
     assert engine.runner.readback.host_rows.num_free == 64
     for g, w in zip(graph, wide, strict=True):
@@ -537,14 +559,17 @@ def test_a_post_block_capture_in_bfloat16_copies_its_sites_alone(tiny_checkpoint
             assert torch.equal(rows, w.captures[key].bfloat16())
 
 
-def test_capture_decode_steps_make_no_host_sync(tiny_checkpoint):
-    """Per-token capture at every layer: the decode steps queue the block's copy on a stream
-    of their own and hand it to the drain thread without waiting for the device (only the
-    event waits of the sampled ids and of the drain cross back; a sync would serialise the
-    host with the step in flight). On an H200, per-token capture of the Llama-3-8B shape at
-    batch 128 took 52 ms of host time a step against 2.3 plain; this rules syncs out."""
+@pytest.mark.parametrize("arena", [None, 0], ids=["placed", "assembled"])
+def test_capture_decode_steps_make_no_host_sync(tiny_checkpoint, arena):
+    """Per-token capture at every layer: the decode steps queue the block's rows on a stream
+    of their own, written into the requests' arena buffers (the default) or copied out and
+    handed to the drain thread, without waiting for the device (only the event waits of the
+    sampled ids and of the drain cross back; a sync would serialise the host with the step
+    in flight). On an H200, per-token capture of the Llama-3-8B shape at batch 128 took 52
+    ms of host time a step against 2.3 plain; this rules syncs out."""
     capture = {"sites": {"post_block": "all"}, "positions": "all_generated"}
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, capture=capture)
-    steps = _steps_without_sync(tiny_checkpoint, lambda i: params)
+    steps = _steps_without_sync(tiny_checkpoint, lambda i: params, capture_arena_bytes=arena)
     assert steps["num_capture_graph_steps"] == 10
-    assert steps["capture_drain_blocks"] > 0  # the drain thread took blocks out meanwhile
+    # the drain thread took blocks out meanwhile, where there is no arena to write into
+    assert (steps["capture_drain_blocks"] > 0) == (arena == 0)

@@ -398,3 +398,23 @@ def test_skinny_linear_replays_in_a_cuda_graph(split):
         graph.replay()
         want = skinny_linear_reference(x, w, gated=True)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [1024, 4096])
+def test_scatter_rows_writes_a_device_block_into_pinned_host_memory(dst_dtype, H):
+    """The capture block's rows go from the device straight into page-locked host chunks
+    (the device addresses them directly): exactly what the reference writes, on a side
+    stream, with two requests' column maps and a row of nobody's."""
+    from services.engine.kernels.capture import scatter_rows_reference, scatter_rows_triton
+    from tests.unit.engine.kernels.test_capture import _scatter_case
+
+    src, want, dest, maps = _scatter_case(5, 6, H, dst_dtype)
+    got = want.clone().pin_memory()
+    scatter_rows_reference(src, want, dest, maps)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        scatter_rows_triton(src.cuda(), got, dest.cuda(), maps.cuda(), programs=4)
+    stream.synchronize()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())  # a copy: bit for bit

@@ -414,16 +414,24 @@ def _two_capturers(model_dir, **config) -> tuple[dict, list, LLMEngine]:
     return done, blocks, engine
 
 
-def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(model_dir):
+@pytest.mark.parametrize("arena", [None, 0], ids=["placed", "assembled"])
+def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(model_dir, arena):
     """A decode step's block holds the union of its requests' sites, not every site of
     every layer; each request gets its own keys, and one that asked for bfloat16 gets the
-    float32 rows rounded to it."""
-    block, blocks, engine = _two_capturers(model_dir)
+    float32 rows rounded to it: written straight into the requests' arena buffers (each
+    request's columns of the block by its own column map), or, with no arena, brought home
+    whole and assembled."""
+    block, blocks, engine = _two_capturers(model_dir, capture_arena_bytes=arena)
     eager, no_blocks, _ = _two_capturers(model_dir, graph_capture_rows=0)
     L = engine.model_config.num_layers
     union = sorted({3 * layer + 2 for layer in range(L)} | {0, 3 + 1})  # capture_slot order
     assert blocks and not no_blocks
-    assert all(b.slots == tuple(union) and b.host.shape[1] == len(union) for b in blocks)
+    assert all(b.slots == tuple(union) for b in blocks)
+    if arena == 0:
+        assert all(b.host.shape[1] == len(union) for b in blocks)
+    else:  # every row placed: the block brought nothing home itself
+        assert all(b.host is None for b in blocks)
+        assert engine.interventions.sink.arena.num_bytes > 0
     stats = engine.stats()  # off CUDA a block is the host's at once: no pinned rows, no drain
     assert stats["capture_drain_blocks"] == stats["num_capture_host_waits"] == 0
     assert len(union) < 3 * L
@@ -440,12 +448,21 @@ def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(mode
             torch.testing.assert_close(rows.float(), ref.captures[key].float(), atol=1e-4, rtol=0)
 
 
-def _hold_assembly(monkeypatch) -> threading.Event:
-    """Hold the capture sink's assembler (a block's rows reach no request) until the
-    returned event is set."""
-    from services.engine.interventions.capture import InlineCaptureSink
+WAYS = pytest.mark.parametrize("arena", [None, 0], ids=["placed", "assembled"])
+
+
+def _hold_rows(monkeypatch, arena: int | None) -> threading.Event:
+    """Hold a decode block's rows on their way (none reaches its request) until the
+    returned event is set: the device's writes into the arena (`arena` None: the default,
+    where rows are placed), or the sink's assembler (`arena` 0: no arena)."""
+    from services.engine.interventions.capture import BlockPlacement, InlineCaptureSink
 
     gate = threading.Event()
+    if arena is None:  # as if the copy stream had not got there yet
+        done, result = BlockPlacement.done, BlockPlacement.result
+        monkeypatch.setattr(BlockPlacement, "done", lambda self: gate.is_set() and done(self))
+        monkeypatch.setattr(BlockPlacement, "result", lambda self: gate.wait(30) and result(self))
+        return gate
     assemble = InlineCaptureSink._assemble
     monkeypatch.setattr(
         InlineCaptureSink,
@@ -455,18 +472,21 @@ def _hold_assembly(monkeypatch) -> threading.Event:
     return gate
 
 
+@WAYS
 def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
-    model_dir, monkeypatch
+    model_dir, monkeypatch, arena
 ):
     """Per-token capture's last rows reach the host a step or more after the last token
-    (copy, drain, assembly on their own threads). While they are on their way, the
-    request's final delta waits and the engine steps the other requests; once they land,
-    the final delta carries every row, as a run whose rows were never held up."""
+    (the device's writes on the copy stream; or copy, drain and assembly on their own
+    threads). While they are on their way, the request's final delta waits and the engine
+    steps the other requests; once they land, the final delta carries every row, as a run
+    whose rows were never held up."""
 
     cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
+    cfg = EngineConfig(device="cpu", dtype="float32", capture_arena_bytes=arena)
 
     def run(gate=None):
-        engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+        engine = LLMEngine(model_dir, cfg)
         short = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, capture=cap)
         long = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
         engine.add_request("captures", PROMPTS[0], short)
@@ -484,7 +504,7 @@ def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
         return done, steps_while_held
 
     want, _ = run()
-    gate = _hold_assembly(monkeypatch)
+    gate = _hold_rows(monkeypatch, arena)
     got, steps_while_held = run(gate)
     assert steps_while_held == 4, "the engine went on stepping the other request"
     assert got["plain"].outputs[0].token_ids == want["plain"].outputs[0].token_ids
@@ -520,6 +540,29 @@ def test_a_requests_capture_buffer_holds_the_positions_its_capture_can_bring(mod
     assert done["generated"].capture_positions == list(range(prompt, prompt + 4))
 
 
+def test_requests_the_arena_cannot_hold_take_the_drains_way_beside_placed_ones(
+    model_dir, monkeypatch
+):
+    """Where the arena holds one request's buffer and not the others' (here a chunk holds
+    one), that one's rows are placed and the others' blocks come home whole and are
+    assembled, in the same steps; every request gets the rows eager copies give."""
+    from services.engine.interventions.host_rows import CaptureArena
+
+    eager, _, ref = _captured(model_dir, graph_capture_rows=0)
+    H, L = ref.model_config.hidden_size, ref.model_config.num_layers
+    chunk = 3 * L * 24 * H * 4  # 24 positions of every site, float32
+    monkeypatch.setattr(CaptureArena, "CHUNK_BYTES", chunk)
+    mixed, counts, engine = _captured(model_dir, capture_arena_bytes=chunk)
+    arena = engine.interventions.sink.arena
+    assert arena.num_bytes > 0 and arena.num_refused > 0  # some placed, some not
+    assert engine.stats()["capture_drain_blocks"] == 0  # off CUDA: no drain, blocks at once
+    assert counts["block"] > 0
+    for rid, out in mixed.items():
+        assert out.capture_positions == eager[rid].capture_positions
+        for key, rows in out.captures.items():
+            torch.testing.assert_close(rows, eager[rid].captures[key], atol=1e-4, rtol=1e-4)
+
+
 def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(model_dir, monkeypatch):
     """A row the assembler cannot keep (no memory for the request's buffer) fails that
     request's captures in its output (`capture_error`), not the step or other requests."""
@@ -529,7 +572,9 @@ def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(mode
         raise MemoryError("no memory for the buffer")
 
     monkeypatch.setattr(capture._BlockRows, "reserve", no_memory)
-    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+    engine = LLMEngine(
+        model_dir, EngineConfig(device="cpu", dtype="float32", capture_arena_bytes=0)
+    )
     cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
     engine.add_request("captures", PROMPTS[0], SamplingParams(max_tokens=4, capture=cap))
     engine.add_request("plain", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
@@ -541,13 +586,14 @@ def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(mode
     assert len(done["plain"].outputs[0].token_ids) == 6
 
 
-def test_a_failed_step_delivers_the_requests_awaiting_their_captures(model_dir, monkeypatch):
+@WAYS
+def test_a_failed_step_delivers_the_requests_awaiting_their_captures(model_dir, monkeypatch, arena):
     """A step that fails fails the requests in flight, but not one that had finished and
     was only waiting for its captured rows: that one gets its final output, rows and all."""
     from services.engine import AsyncLLM
 
-    gate = _hold_assembly(monkeypatch)
-    llm = AsyncLLM(model_dir, device="cpu", dtype="float32")
+    gate = _hold_rows(monkeypatch, arena)
+    llm = AsyncLLM(model_dir, device="cpu", dtype="float32", capture_arena_bytes=arena)
     got: dict[str, list] = {"captures": [], "plain": []}
     try:
         engine = llm.engine

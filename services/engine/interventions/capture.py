@@ -18,6 +18,16 @@ the engine's thread cost 12 ms a request on an H200 host (13% of plain decode at
 128). So the rows go into the request's own host buffer as its blocks come back, on a
 thread of the sink's own (`capture-assemble`: a block's rows are copied while the engine
 runs the next steps), and a finished request's result is a view of that buffer.
+
+That thread and the drain's cost the engine's thread a step's worth of GIL handoffs at
+batch 128 (about 70% of plain decode on an H200 host). So where it can, the sink plans
+where each block row goes before the step runs (`place`): a request's buffer is then a
+region of a host chunk the device writes into directly (`host_rows.CaptureArena`, pinned
+on CUDA), the block's rows go there by one kernel on the capture copy stream
+(`kernels.capture.scatter_rows`), and no thread of ours touches them until the request is
+delivered, when its rows are copied out of the chunk in one copy and its region goes back.
+A request whose buffer cannot be had there (positions unknown, larger than a chunk, or no
+room) takes the drain and the assembler.
 """
 
 from __future__ import annotations
@@ -25,9 +35,11 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from services.engine.host_memory import host_empty, host_rows
+from services.engine.interventions.host_rows import CaptureArena, Lease
 from services.engine.interventions.sites import parse_site
 from services.engine.kernels.capture import capture_slot
 
@@ -46,6 +58,10 @@ class BlockWrite(NamedTuple):
 class CaptureSink(Protocol):
     def write(self, request_id: str, key: str, positions: list[int], rows: torch.Tensor) -> None:
         """Store `rows` ([len(positions), H], CPU) captured at `key` for these positions."""
+
+    def place(self, writes: list[BlockWrite], slots: tuple[int, ...]) -> BlockPlacement | None:
+        """Before a step runs: where the device writes its block rows (`writes`, in block row
+        order; `slots` the block's columns), or None where no row has a place."""
 
     def write_block(self, block: Any, writes: list[BlockWrite]) -> None:
         """Store each write's row of a `CapturedBlock` as its request's capture at its
@@ -68,6 +84,30 @@ def _slot(key: str) -> int:
     """The capture-block slot of a `"<layer>.<site>"` key."""
     layer, site = key.split(".", 1)
     return capture_slot(int(layer), parse_site(site))
+
+
+class BlockPlacement:
+    """Where the device writes a step's capture block rows on the host, planned before the
+    step (`InlineCaptureSink.place`): per arena chunk written, the chunk (flat) and a table
+    of `[R, 3]` int64 (each block row's element offset in the chunk, or -1 where the row
+    goes elsewhere; the elements between its request's keys; its column map) followed by
+    the column maps `[M, C]` (each map's key of each block column, or -1), as
+    `kernels.capture.scatter_rows` reads them. `complete`: every row has a place here, so
+    the block needs no other way home. `landed` is the copy stream's event once the writes
+    are queued (None on CPU, where they are done at once); `result()` and `done()` answer
+    for them as a future's would, so a buffer's last writer may be a placement."""
+
+    def __init__(self, writes: list[tuple[torch.Tensor, np.ndarray]], complete: bool):
+        self.writes = writes
+        self.complete = complete
+        self.landed: Any = None  # torch.cuda.Event
+
+    def result(self) -> None:
+        if self.landed is not None:
+            self.landed.synchronize()
+
+    def done(self) -> bool:
+        return self.landed is None or self.landed.query()
 
 
 class _BlockRows:
@@ -95,8 +135,14 @@ class _BlockRows:
         self.row_of: dict[int, int] = {}  # position -> row (engine thread)
         self.num_rows = 0  # rows assigned so far (engine thread)
         self.buf: torch.Tensor | None = None  # assembler thread
-        self.last: Future | None = None
+        self.last: Future | BlockPlacement | None = None
         self.error: BaseException | None = None  # why a row of it was lost, if one was
+        # Written by the device (`InlineCaptureSink.place`): `buf` is a region of an arena
+        # chunk, held by `lease`; rows are assigned as steps are planned (`planned`:
+        # position -> row), and a position joins `row_of` once its step is accepted.
+        self.lease: Lease | None = None
+        self.planned: dict[int, int] = {}
+        self.place: tuple[torch.Tensor, int] | None = None  # (chunk, buf's first element)
 
     def reserve(self, i: int, hidden: int) -> None:
         """Allocate the buffer, or grow it, to hold row `i`."""
@@ -126,7 +172,8 @@ class _BlockRows:
 class InlineCaptureSink:
     """Keeps captures in memory until the request's final output carries them."""
 
-    def __init__(self) -> None:
+    def __init__(self, arena: CaptureArena | None = None) -> None:
+        self.arena = arena  # where `place` carves buffers the device writes (None: nowhere)
         # request -> key -> position -> [H] (float32), from eager copies
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         self._eager: dict[str, set[int]] = {}  # request -> positions in `_rows`
@@ -144,21 +191,90 @@ class InlineCaptureSink:
             if blocks is not None:
                 blocks.row_of.pop(p, None)
 
+    def place(self, writes: list[BlockWrite], slots: tuple[int, ...]) -> BlockPlacement | None:
+        """Give each capturing request of the step about to run (`writes`: every row of its
+        block, in order) a region of the arena the first time it captures, if one fits its
+        most positions, and its row there for this position (a position computed again
+        takes its row again). The device writes the block's rows there
+        (`Readback.copy_captures`); `write_block` then takes the rows of the step's
+        accepted positions as written."""
+        if self.arena is None or not writes:
+            return None
+        placement = BlockPlacement([], complete=True)
+        hidden = self.arena.hidden
+        maps: dict[tuple[int, ...], int] = {}  # a request's slots -> its column map
+        by_chunk: dict[int, tuple[torch.Tensor, list[tuple[int, int, int, int]]]] = {}
+        for row, w in enumerate(writes):
+            assert w.row == row, "place takes every row of the block, in order"
+            rows = self._blocks.get(w.request_id)
+            if rows is None:
+                rows = self._blocks[w.request_id] = _BlockRows(w.keys, w.dtype, w.max_rows)
+                self._give_region(rows)
+            i = rows.planned.get(w.position)
+            if i is None and rows.buf is not None and rows.lease is not None:
+                i = len(rows.planned)
+                if i < rows.buf.shape[1]:
+                    rows.planned[w.position] = i
+                else:  # more positions than its capture can bring: never expected
+                    rows.error = rows.error or RuntimeError(
+                        f"position {w.position} is one more than the {i} its buffer holds"
+                    )
+                    i = None
+            if i is None or rows.place is None:
+                placement.complete = False
+                continue
+            chunk, first = rows.place
+            m = maps.setdefault(rows.slots, len(maps))
+            stride = rows.buf.shape[1] * hidden  # type: ignore[union-attr]
+            _, dests = by_chunk.setdefault(chunk.data_ptr(), (chunk, []))
+            dests.append((row, first + i * hidden, stride, m))
+            rows.last = placement
+        if not by_chunk:
+            return None
+        column_maps = np.full((len(maps), len(slots)), -1, np.int64)
+        for request_slots, m in maps.items():
+            key = {slot: k for k, slot in enumerate(request_slots)}
+            column_maps[m] = [key.get(slot, -1) for slot in slots]
+        for chunk, dests in by_chunk.values():
+            table = np.full((len(writes), 3), -1, np.int64)
+            at = np.array(dests, np.int64)
+            table[at[:, 0]] = at[:, 1:]
+            placement.writes.append((chunk, np.concatenate([table.ravel(), column_maps.ravel()])))
+        return placement
+
+    def _give_region(self, rows: _BlockRows) -> None:
+        """A region of the arena for all the positions `rows`' capture can bring, if one is
+        to be had: then the device writes its rows."""
+        assert self.arena is not None
+        if not rows.max_rows:
+            return  # how many positions it brings is not known: the drain's way
+        hidden = self.arena.hidden
+        got = self.arena.take(len(rows.keys) * rows.max_rows, rows.dtype)
+        if got is None:
+            return
+        chunk, run, rows.lease = got
+        rows.buf = run.view(len(rows.keys), rows.max_rows, hidden)
+        rows.place = (chunk.flat, (run.data_ptr() - chunk.flat.data_ptr()) // run.itemsize)
+
     def write_block(self, block: Any, writes: list[BlockWrite]) -> None:
         jobs = []
         for request_id, position, row, keys, dtype, max_rows in writes:
             rows = self._blocks.get(request_id)
             if rows is None:
                 rows = self._blocks[request_id] = _BlockRows(keys, dtype, max_rows)
-            i = rows.row_of.get(position)
-            if i is None:
-                i = rows.row_of[position] = rows.num_rows
-                rows.num_rows += 1
             eager = self._eager.get(request_id)
             if eager and position in eager:  # recomputed: the block's rows replace the copies
                 eager.discard(position)
                 for by_pos in self._rows[request_id].values():
                     by_pos.pop(position, None)
+            if rows.lease is not None:  # the device wrote its row where `place` said
+                if (i := rows.planned.get(position)) is not None:
+                    rows.row_of[position] = i
+                continue
+            i = rows.row_of.get(position)
+            if i is None:
+                i = rows.row_of[position] = rows.num_rows
+                rows.num_rows += 1
             jobs.append((rows, i, row))
         if not jobs:
             return
@@ -228,8 +344,15 @@ class InlineCaptureSink:
         if blocks.buf is None:  # no job reached it: say so in its output, fail nothing else
             raise RuntimeError("capture rows were lost: none of its blocks' rows arrived")
         order = [blocks.row_of.get(p, -1) for p in positions]
-        if order == list(range(len(positions))):  # the common case: no copy
-            out = dict(zip(keys, host_rows(blocks.buf, len(positions)), strict=True))
+        n = len(positions)
+        if order == list(range(n)) and blocks.lease is not None:  # out of the arena: one copy
+            own = host_empty(
+                (len(keys), n, blocks.buf.shape[-1]), blocks.dtype, _BlockRows.SLICED_BYTES
+            )
+            own.copy_(blocks.buf[:, :n])
+            out = dict(zip(keys, host_rows(own, n), strict=True))
+        elif order == list(range(n)):  # the common case: no copy
+            out = dict(zip(keys, host_rows(blocks.buf, n), strict=True))
         else:  # positions out of order, rows written again, or eager positions among them
             have = [j for j, r in enumerate(order) if r >= 0]
             index = torch.tensor([order[j] for j in have])

@@ -62,6 +62,11 @@ class PinnedRows:
         self.wait_s = 0.0  # the time they waited, all told
 
     @property
+    def flat(self) -> torch.Tensor:
+        """The whole arena, one dimension (where `kernels.capture.scatter_rows` writes)."""
+        return self._arena.view(-1)
+
+    @property
     def num_free(self) -> int:
         with self._lock:
             return sum(self._lengths)
@@ -97,6 +102,16 @@ class PinnedRows:
             )
         self.num_misses += 1
         return torch.empty((n, *self.row_shape), dtype=self.dtype, pin_memory=self.pin), None
+
+    def try_take(self, n: int) -> tuple[torch.Tensor, Lease] | None:
+        """A free run of `n` rows and its lease, or None (no waiting, no block of its own)."""
+        with self._lock:
+            start = self._take(n)
+        if start is None:
+            return None
+        lease = Lease()
+        weakref.finalize(lease, self._give_back, start, n)
+        return self._arena[start : start + n], lease
 
     def _take(self, n: int) -> int | None:
         """The start of the first free run of at least `n` rows, now taken, or None."""
@@ -178,3 +193,39 @@ class CaptureDrain:
     def stop(self) -> None:
         """End the thread once the blocks queued before are drained."""
         self._queue.put(None)
+
+
+class CaptureArena:
+    """Host chunks that requests' per-token capture buffers are carved from, so the device
+    writes each decode block's rows straight into them (`kernels.capture.scatter_rows`): on
+    CUDA each chunk is page-locked (the device addresses it directly), `CHUNK_BYTES` at a
+    time as requests need them, up to `max_bytes` in all. A buffer is a run of a chunk's
+    rows (`PinnedRows`), which goes back when its lease is collected. A buffer larger than
+    a chunk, or one that finds no room under the cap, is not had here (its request's rows
+    take the drain's way)."""
+
+    CHUNK_BYTES = 256 << 20
+
+    def __init__(self, hidden: int, max_bytes: int, pin: bool):
+        self.hidden, self.max_bytes, self.pin = hidden, max_bytes, pin
+        self.chunks: dict[torch.dtype, list[PinnedRows]] = {}
+        self.num_bytes = 0  # held by chunks, all dtypes
+        self.num_refused = 0  # buffers not had: too large, or no room under the cap
+
+    def take(self, rows: int, dtype: torch.dtype) -> tuple[PinnedRows, torch.Tensor, Lease] | None:
+        """`rows` rows of `hidden` in `dtype`: the chunk, its run and the run's lease."""
+        per_chunk = self.CHUNK_BYTES // (self.hidden * dtype.itemsize)
+        if rows <= per_chunk:
+            chunks = self.chunks.setdefault(dtype, [])
+            for chunk in chunks:
+                if (got := chunk.try_take(rows)) is not None:
+                    return chunk, *got
+            if self.num_bytes + self.CHUNK_BYTES <= self.max_bytes:
+                chunk = PinnedRows(per_chunk, (self.hidden,), dtype, self.pin)
+                chunks.append(chunk)
+                self.num_bytes += self.CHUNK_BYTES
+                got = chunk.try_take(rows)
+                assert got is not None
+                return chunk, *got
+        self.num_refused += 1
+        return None

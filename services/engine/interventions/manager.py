@@ -37,6 +37,7 @@ from services.engine.interventions.control import (
     SteeringControl,
     resolve_global,
 )
+from services.engine.interventions.host_rows import CaptureArena
 from services.engine.interventions.observer import StepObserver, StepReport
 from services.engine.interventions.plan_step import StepPlanner
 from services.engine.interventions.planner import StepInterventions
@@ -67,6 +68,7 @@ class InterventionManager(SteeringControl):
         probe_columns: int = 8,
         action_queue_size: int = 1024,
         capture_rows: int = 0,
+        capture_arena_bytes: int = 0,
         registry: VectorRegistry | None = None,
     ):
         self.num_layers, self.hidden_size, self.device = num_layers, hidden_size, device
@@ -81,7 +83,10 @@ class InterventionManager(SteeringControl):
         )
         self.queue = ActionQueue(action_queue_size)
         self.counters = ActionCounters()
-        self.sink: CaptureSink = InlineCaptureSink()
+        arena = None
+        if capture_rows and capture_arena_bytes:
+            arena = CaptureArena(hidden_size, capture_arena_bytes, pin=device.type == "cuda")
+        self.sink: CaptureSink = InlineCaptureSink(arena)
         # The step's two halves: planning it (pure) and observing what it read back.
         self.planner = StepPlanner(self.tables, device, capture_rows)
         self.observer = StepObserver(
@@ -140,7 +145,10 @@ class InterventionManager(SteeringControl):
     def plan_step(self, sched: SchedulerOutput) -> StepInterventions | None:
         """This step's intervention indices (`StepPlanner.plan` over the current state)."""
         obs = self.observer
-        return self.planner.plan(sched, self.dynamic_gain, bool(obs.consumers), obs.view_sites())
+        plan = self.planner.plan(sched, self.dynamic_gain, bool(obs.consumers), obs.view_sites())
+        if plan is not None and plan.capture_block:
+            obs.place_block(sched, plan)
+        return plan
 
     def observe(self, sched: SchedulerOutput, step: StepInterventions) -> StepReport | None:
         """After the step: route what it read back (`StepObserver.observe`)."""

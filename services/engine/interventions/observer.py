@@ -124,14 +124,31 @@ class StepObserver:
                 at += len(positions)
         self.num_eager_captures += sum(len(p) for _, p in next(iter(step.capture_meta.values())))
 
+    def place_block(self, sched: SchedulerOutput, step: StepInterventions) -> None:
+        """Before the step runs: where the device is to write its capture block's rows
+        (`CaptureSink.place`, every row, finished or not: that is known after the step)."""
+        if step.block_captures and self.keeps_captures:
+            writes = self._block_writes(sched, step, accepted=False)
+            step.block_placement = self.sink.place(writes, step.block_slots)
+
     def _write_block(self, sched: SchedulerOutput, step: StepInterventions) -> None:
         """The step's capture block, one sink call for all its capturing requests."""
         block = step.captured_block
         assert block is not None, "collect() gives every block-capturing step its block"
+        writes = self._block_writes(sched, step, accepted=True)
+        self.sink.write_block(block, writes)
+        self.num_block_captures += len(writes)
+
+    @staticmethod
+    def _block_writes(
+        sched: SchedulerOutput, step: StepInterventions, accepted: bool
+    ) -> list[BlockWrite]:
+        """Each capturing request's row of the step's block; with `accepted`, only those of
+        requests not finished before the step's tokens were taken."""
         scheduled, writes = sched.scheduled, []
         for row, (i, position) in enumerate(step.block_captures):  # 128 a step at batch 128
             seq = scheduled[i].seq
-            if seq.is_finished:
+            if accepted and seq.is_finished:
                 continue
             group = seq.group
             capture = group.interventions.capture
@@ -139,8 +156,7 @@ class StepObserver:
             writes.append(
                 BlockWrite(group.request_id, position, row, capture.keys, capture.dtype, rows)
             )
-        self.sink.write_block(block, writes)
-        self.num_block_captures += len(writes)
+        return writes
 
     def _latch_decode(self, sched: SchedulerOutput, step: StepInterventions) -> None:
         """`_latch` for an all-decode step, whose gated requests have one token each at their

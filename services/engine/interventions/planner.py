@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.engine.interventions.capture import BlockPlacement
 from services.engine.interventions.host_rows import CaptureDrain, Lease, PinnedRows
 from services.engine.interventions.resolve import RowContent, SiteKey
 from services.engine.interventions.sites import SITES
 from services.engine.interventions.tables import SteeringTables
-from services.engine.kernels.capture import capture, capture_slot
+from services.engine.kernels.capture import capture, capture_slot, scatter_rows
 from services.engine.kernels.patch import patch
 from services.engine.kernels.steer import steer
 
@@ -72,7 +73,7 @@ class CapturedBlock:
     capturing requests asked for. On CUDA the rows land in pinned memory (`done`: the
     copy's event), and a `CaptureDrain` moves them to pageable memory (`drained`)."""
 
-    host: torch.Tensor
+    host: torch.Tensor | None  # None: the device wrote every row where it goes (placed)
     slots: tuple[int, ...]
     done: Any = None  # torch.cuda.Event
     lease: Lease | None = None  # the reserved host rows `host` is, until drained
@@ -103,6 +104,8 @@ class CapturedBlock:
                 raise RuntimeError(f"capture rows were lost: {self.error}") from self.error
         elif self.done is not None:
             self.done.synchronize()
+        if self.host is None:
+            raise RuntimeError("every row of this block was written where its request keeps it")
         return self.host
 
 
@@ -197,7 +200,11 @@ class Readback:
         return out
 
     def copy_captures(
-        self, num_rows: int, slots: tuple[int, ...] = (), dtype: torch.dtype = torch.float32
+        self,
+        num_rows: int,
+        slots: tuple[int, ...] = (),
+        dtype: torch.dtype = torch.float32,
+        placement: BlockPlacement | None = None,
     ) -> CapturedBlock:
         """Start bringing this step's `captures[:num_rows]` to the host, only the columns of
         `slots` (sorted; empty: every slot): a device copy (a gather of those columns) into
@@ -209,13 +216,22 @@ class Readback:
         The host rows are a run of the pinned reserve (`host_rows`); the drain thread moves
         them to pageable memory in `dtype` once they land and gives the run back, so the
         reserve is reused step after step. Page-locking a fresh block costs milliseconds
-        (about 16 ms for 22 MB on an H100 host); reusing reserved rows costs nothing."""
+        (about 16 ms for 22 MB on an H100 host); reusing reserved rows costs nothing.
+
+        With a `placement` (the sink's, planned before the step) the rows it places are
+        written straight into their requests' buffers instead, by one kernel a chunk on the
+        copy stream (`scatter_rows`, on CPU at once); when it places every row the block
+        has no pinned run and goes to no drain (`host` None)."""
         assert self.captures is not None
         src = self.captures[:num_rows]
         width = src.shape[1]
         slots = slots or tuple(range(width))
         if not self.on_cuda:
             cols = src if len(slots) == width else src[:, list(slots)]
+            if placement is not None:
+                self.scatter_placed(cols.contiguous(), placement)
+                if placement.complete:
+                    return CapturedBlock(None, slots)
             return CapturedBlock(cols.to(dtype, copy=True), slots)
         k = self._staging_turn
         self._staging_turn ^= 1
@@ -232,6 +248,14 @@ class Readback:
         ready = torch.cuda.Event()
         ready.record(main)
         stream.wait_event(ready)
+        if placement is not None:
+            with torch.cuda.stream(stream):
+                self.scatter_placed(staged, placement)
+                placement.landed = torch.cuda.Event()
+                placement.landed.record(stream)
+            if placement.complete:
+                self._staging_done[k] = placement.landed
+                return CapturedBlock(None, slots, placement.landed)
         assert self.host_rows is not None and self.drain is not None
         arena_rows = -(-shape[0] * shape[1] // width)
         run, lease = self.host_rows.take(arena_rows, wait_s=self.HOST_ROWS_WAIT_S)
@@ -244,6 +268,15 @@ class Readback:
         block = CapturedBlock(host, slots, done, lease)
         self.drain.submit(block, dtype)
         return block
+
+    @staticmethod
+    def scatter_placed(block: torch.Tensor, placement: BlockPlacement) -> None:
+        """Write `block`'s placed rows into their chunks (on the current stream)."""
+        for chunk, table in placement.writes:
+            table = torch.from_numpy(table).to(block.device, non_blocking=True)
+            rows, columns = block.shape[0], block.shape[1]
+            maps = table[3 * rows :].view(-1, columns)
+            scatter_rows(block, chunk, table[: 3 * rows].view(rows, 3), maps)
 
     def _slots_on_device(self, slots: tuple[int, ...]) -> torch.Tensor:
         index = self._slot_index.get(slots)
@@ -289,6 +322,8 @@ class StepInterventions:
     # its rows are kept in on the host (float32 unless every one of them asked bfloat16).
     block_slots: tuple[int, ...] = ()
     block_dtype: torch.dtype = torch.float32
+    # Where the device writes the block's rows on the host (the sink's `place`), if anywhere
+    block_placement: BlockPlacement | None = None
 
     def __post_init__(self) -> None:
         if self.gated and self.decode_only and self.gate_index is None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.engine.interventions.capture import BlockWrite, InlineCaptureSink
-from services.engine.interventions.planner import CapturedBlock
+from services.engine.interventions.host_rows import CaptureArena
+from services.engine.interventions.planner import CapturedBlock, Readback
 from services.engine.kernels.capture import capture_slot
 
 H = 8
@@ -150,3 +151,92 @@ def test_a_prefill_chunk_brings_several_rows_of_a_request_in_one_block_past_its_
     assert positions == list(range(6))
     for j, key in enumerate(KEYS):
         assert torch.equal(rows[key], block.host[:, j])
+
+
+def _placed_step(sink, block: CapturedBlock, writes: list[BlockWrite], finished=()) -> None:
+    """One decode step as the engine runs it with an arena: the sink places the block's
+    rows before the step, the device writes them (here the reference op, on CPU), and the
+    accepted rows (not those of requests `finished` meanwhile) are written after it."""
+    placement = sink.place(writes, SLOTS)  # every row of the block: its first len(writes)
+    if placement is not None:
+        Readback.scatter_placed(block.host[: len(writes)].contiguous(), placement)
+    host = None if placement is not None and placement.complete else block.host
+    accepted = [w for w in writes if w.request_id not in finished]
+    sink.write_block(CapturedBlock(host, SLOTS), accepted)
+
+
+def test_placed_rows_land_in_each_requests_arena_buffer_in_its_keys_and_dtype():
+    """Each request of a block gets a region of the arena the first time it captures (its
+    most positions of its keys, in its dtype); the device writes its row there by the
+    request's own column map, and the result is its rows in position order. A request
+    whose positions are not known is assembled from the block beside them."""
+    arena = CaptureArena(H, 4 * CaptureArena.CHUNK_BYTES, pin=False)
+    sink, blocks = InlineCaptureSink(arena), _blocks(3)
+    sub = ["1.post_block", "0.post_attn"]  # columns 3 and 0
+    for p, block in enumerate(blocks):
+        _placed_step(
+            sink,
+            block,
+            [
+                BlockWrite("r", 10 + p, 0, KEYS, torch.float32, 4),
+                BlockWrite("s", 3 + p, 1, sub, torch.bfloat16, 3),
+                BlockWrite("t", p, 2, KEYS, torch.float32, None),  # not placed
+            ],
+        )
+    assert arena.num_bytes == CaptureArena.CHUNK_BYTES * 2  # a float32 and a bfloat16 chunk
+    assert sink._blocks["r"].lease is not None and sink._blocks["t"].lease is None
+    rows, positions = sink.result("r")
+    assert positions == [10, 11, 12]
+    for j, key in enumerate(KEYS):
+        assert torch.equal(rows[key], torch.stack([b.host[0, j] for b in blocks]))
+    rows, positions = sink.result("s", torch.bfloat16)
+    assert positions == [3, 4, 5] and list(rows) == sub
+    assert torch.equal(rows["1.post_block"], torch.stack([b.host[1, 3] for b in blocks]).bfloat16())
+    assert torch.equal(rows["0.post_attn"], torch.stack([b.host[1, 0] for b in blocks]).bfloat16())
+    rows, _ = sink.result("t")
+    assert torch.equal(rows["1.post_attn"], torch.stack([b.host[2, 2] for b in blocks]))
+    # the results are copies: the regions go back when the requests are dropped
+    chunks = [c for cs in arena.chunks.values() for c in cs]
+    assert any(c.num_free < c.num_rows for c in chunks)
+    for rid in "rst":
+        sink.drop(rid)
+    assert all(c.num_free == c.num_rows for c in chunks)
+    assert torch.equal(rows["1.post_attn"], torch.stack([b.host[2, 2] for b in blocks]))
+
+
+def test_a_placed_row_of_a_request_finished_meanwhile_is_not_among_its_positions():
+    """With overlapped steps the next step is placed before the step before is accepted: a
+    request that finished in between had a row written for a position it never keeps."""
+    sink, blocks = (
+        InlineCaptureSink(CaptureArena(H, 4 * CaptureArena.CHUNK_BYTES, pin=False)),
+        _blocks(3),
+    )
+    for p, block in enumerate(blocks):
+        writes = [BlockWrite("r", p, 0, KEYS, torch.float32, 3)]
+        _placed_step(sink, block, writes, finished={"r"} if p == 2 else ())
+    rows, positions = sink.result("r")
+    assert positions == [0, 1]
+    assert torch.equal(rows["0.post_block"], torch.stack([b.host[0, 1] for b in blocks[:2]]))
+
+
+def test_a_placed_request_past_its_most_positions_says_its_rows_were_lost():
+    sink, blocks = (
+        InlineCaptureSink(CaptureArena(H, 4 * CaptureArena.CHUNK_BYTES, pin=False)),
+        _blocks(3),
+    )
+    for p, block in enumerate(blocks):
+        _placed_step(sink, block, [BlockWrite("r", p, 0, KEYS, torch.float32, 2)])
+    with pytest.raises(RuntimeError, match="capture rows were lost: position 2 is one more"):
+        sink.result("r")
+
+
+def test_the_arena_takes_chunks_as_needed_up_to_its_cap_and_refuses_beyond():
+    rows_a_chunk = CaptureArena.CHUNK_BYTES // (H * 4)
+    arena = CaptureArena(H, 2 * CaptureArena.CHUNK_BYTES, pin=False)
+    held = [arena.take(rows_a_chunk // 2, torch.float32) for _ in range(4)]
+    assert all(h is not None for h in held) and arena.num_bytes == 2 * CaptureArena.CHUNK_BYTES
+    assert arena.take(1, torch.float32) is None  # full, and no room for a third chunk
+    assert arena.take(rows_a_chunk + 1, torch.float32) is None  # larger than a chunk
+    assert arena.num_refused == 2
+    del held[0]  # its run goes back
+    assert arena.take(rows_a_chunk // 2, torch.float32) is not None

@@ -11,6 +11,9 @@ from services.engine.kernels.capture import (
     capture_reference,
     capture_slot,
     capture_triton,
+    scatter_rows,
+    scatter_rows_reference,
+    scatter_rows_triton,
 )
 from tests.interpreted import INTERPRETED, assert_passes_interpreted
 
@@ -55,4 +58,53 @@ def test_triton_copies_exactly_what_the_reference_copies(T, H):
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())  # a copy: bit for bit
     capture(h, torch.full_like(rows, -1), got, slot=5)  # nobody captures: nothing changes
+    assert torch.equal(got.isnan(), want.isnan())
+
+
+def _scatter_case(R: int, C: int, H: int, dtype=torch.float32):
+    """A block of R rows, C columns, and a chunk holding two requests' buffers (rows 0, 2,
+    3 the first's, asking every column; row 1 the second's, asking columns 0 and C-1 as its
+    keys 1 and 0), and a row of nobody's (-1)."""
+    g = torch.Generator().manual_seed(R * C * H)
+    src = torch.randn(R, C, H, generator=g).to(torch.bfloat16)
+    capacity = 4
+    dst = torch.full((2 * C * capacity * H + 7,), float("nan"), dtype=dtype)
+    second = C * capacity * H + 7  # not aligned to a row: offsets are elements
+    dest = torch.tensor(
+        [[0, capacity * H, 0], [second + 2 * H, capacity * H, 1], [H, capacity * H, 0]]
+        + [[2 * H, capacity * H, 0], [-1, 0, 0]][: R - 3],
+        dtype=torch.int64,
+    )
+    maps = torch.full((2, C), -1, dtype=torch.int64)
+    maps[0] = torch.arange(C)
+    maps[1, 0], maps[1, C - 1] = 1, 0
+    return src, dst, dest, maps
+
+
+def test_scattered_rows_land_at_their_requests_keys_and_positions():
+    src, dst, dest, maps = _scatter_case(5, 3, 8)
+    scatter_rows_reference(src, dst, dest, maps)
+    H, capacity = 8, 4
+    first = dst[: 3 * capacity * H].view(3, capacity, H)  # [keys, capacity, H]
+    for row, i in ((0, 0), (2, 1), (3, 2)):  # block row -> its row of the first buffer
+        assert torch.equal(first[:, i], src[row].float())
+    assert first[:, 3].isnan().all()  # a row nobody wrote
+    second = dst[3 * capacity * H + 7 :].view(3, capacity, H)
+    assert torch.equal(second[1, 2], src[1, 0].float())  # column 0 is its key 1
+    assert torch.equal(second[0, 2], src[1, 2].float())  # column C-1 its key 0
+    assert second[2].isnan().all() and second[:, [0, 1, 3]].isnan().all()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("programs", [2, 64])  # each walking several items, or one each
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,C,H", [(5, 3, 40), (4, 2, 1500)])  # 1500: two H tiles
+def test_triton_scatters_exactly_what_the_reference_scatters(R, C, H, dtype, programs):
+    src, want, dest, maps = _scatter_case(R, C, H, dtype)
+    got = want.clone()
+    scatter_rows_reference(src, want, dest, maps)
+    scatter_rows_triton(src, got, dest, maps, programs)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())  # a copy: bit for bit
+    scatter_rows(src, got, torch.full_like(dest, -1), maps)  # no row here: nothing changes
     assert torch.equal(got.isnan(), want.isnan())
