@@ -407,14 +407,16 @@ def test_scatter_rows_writes_a_device_block_into_pinned_host_memory(dst_dtype, H
     (the device addresses them directly): exactly what the reference writes, on a side
     stream, with two requests' column maps and a row of nobody's."""
     from services.engine.kernels.capture import scatter_rows_reference, scatter_rows_triton
-    from tests.unit.engine.kernels.test_capture import _scatter_case
+    from tests.unit.engine.kernels.test_capture import _dest, _scatter_case
 
     src, want, dest, maps = _scatter_case(5, 6, H, dst_dtype)
-    got = want.clone().pin_memory()
+    got = [t.clone().pin_memory() for t in want]  # two chunks: one launch reaches both
     scatter_rows_reference(src, want, dest, maps)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        scatter_rows_triton(src.cuda(), got, dest.cuda(), maps.cuda(), programs=4)
+        table = _dest(got, 4 * H, H).cuda()
+        scatter_rows_triton(src.cuda(), got, table, maps.cuda(), programs=4)
     stream.synchronize()
-    assert torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(got.nan_to_num(), want.nan_to_num())  # a copy: bit for bit
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.isnan(), w.isnan())
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())  # a copy: bit for bit

@@ -515,12 +515,14 @@ def test_a_finished_request_waits_for_its_captured_rows_and_the_engine_does_not(
         torch.testing.assert_close(out.captures[key], rows, atol=0, rtol=0)
 
 
-def test_a_requests_capture_buffer_holds_the_positions_its_capture_can_bring(model_dir):
-    """Block rows go into a buffer sized from the request's capture: one row for the last
-    prompt position, `max_tokens` rows for every generated one. (Sized from `max_tokens`
-    alone, a last-prompt capture of 84 keys held 64 rows of each: 22 MB a request to fault
-    in on the Qwen3-0.6B shape, for one row.)"""
-    engine = LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+@WAYS
+def test_a_requests_capture_buffer_holds_the_positions_its_capture_can_bring(model_dir, arena):
+    """Block rows go into a buffer (or a first arena segment) sized from the request's
+    capture: one row for the last prompt position, `max_tokens` rows for every generated
+    one. (Sized from `max_tokens` alone, a last-prompt capture of 84 keys held 64 rows of
+    each: 22 MB a request to fault in on the Qwen3-0.6B shape, for one row.)"""
+    cfg = EngineConfig(device="cpu", dtype="float32", capture_arena_bytes=arena)
+    engine = LLMEngine(model_dir, cfg)
     last = {"sites": {"pre_attn": "all", "post_block": "all"}, "positions": "last_prompt"}
     generated = {"sites": {"post_block": "all"}, "positions": "all_generated"}
     for rid, cap, n in (("last", last, 64), ("generated", generated, 5)):
@@ -532,7 +534,8 @@ def test_a_requests_capture_buffer_holds_the_positions_its_capture_can_bring(mod
         done.update((o.request_id, o) for o in totals.finished(engine.step()))
         for rid, rows in sink._blocks.items():
             rows.wait()
-            capacity[rid] = rows.buf.shape[1]
+            assert rows.direct == (arena is None)
+            capacity[rid] = rows.segments[0].capacity if rows.direct else rows.buf.shape[1]
     assert capacity == {"last": 1, "generated": 5}
     prompt = len(done["last"].prompt_token_ids)
     assert done["last"].capture_positions == [prompt - 1]

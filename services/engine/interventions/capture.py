@@ -41,7 +41,7 @@ import torch
 from services.engine.host_memory import host_empty, host_rows
 from services.engine.interventions.host_rows import CaptureArena, Lease
 from services.engine.interventions.sites import parse_site
-from services.engine.kernels.capture import capture_slot
+from services.engine.kernels.capture import capture_slot, lowest
 
 
 class BlockWrite(NamedTuple):
@@ -88,16 +88,15 @@ def _slot(key: str) -> int:
 
 class BlockPlacement:
     """Where the device writes a step's capture block rows on the host, planned before the
-    step (`InlineCaptureSink.place`): per arena chunk written, the chunk (flat) and a table
-    of `[R, 3]` int64 (each block row's element offset in the chunk, or -1 where the row
-    goes elsewhere; the elements between its request's keys; its column map) followed by
-    the column maps `[M, C]` (each map's key of each block column, or -1), as
-    `kernels.capture.scatter_rows` reads them. `complete`: every row has a place here, so
-    the block needs no other way home. `landed` is the copy stream's event once the writes
-    are queued (None on CPU, where they are done at once); `result()` and `done()` answer
-    for them as a future's would, so a buffer's last writer may be a placement."""
+    step (`InlineCaptureSink.place`): per dtype written, the arena's chunks of it and a table
+    of `[R, 3]` int64 (each block row's address, or -1 where the row goes elsewhere; the
+    elements between its request's keys; its column map) followed by the column maps
+    `[M, C]` (each map's key of each block column, or -1), as `kernels.capture.scatter_rows`
+    reads them. `complete`: every row has a place here, so the block needs no other way
+    home. `landed` is the copy stream's event once the writes are queued (None on CPU, where
+    they are done at once); `result()` and `done()` answer for them as a future's would."""
 
-    def __init__(self, writes: list[tuple[torch.Tensor, np.ndarray]], complete: bool):
+    def __init__(self, writes: list[tuple[list[torch.Tensor], np.ndarray]], complete: bool):
         self.writes = writes
         self.complete = complete
         self.landed: Any = None  # torch.cuda.Event
@@ -108,6 +107,18 @@ class BlockPlacement:
 
     def done(self) -> bool:
         return self.landed is None or self.landed.query()
+
+
+class _Segment(NamedTuple):
+    """Rows of a request the device writes: `rows` `[keys, capacity, H]`, a run of an arena
+    chunk held by `lease`, holding the request's rows from `start` on, at `address` (the
+    run's start in bytes, which `place` turns into `scatter_rows`' element address)."""
+
+    start: int
+    capacity: int
+    rows: torch.Tensor
+    lease: Lease
+    address: int
 
 
 class _BlockRows:
@@ -135,14 +146,31 @@ class _BlockRows:
         self.row_of: dict[int, int] = {}  # position -> row (engine thread)
         self.num_rows = 0  # rows assigned so far (engine thread)
         self.buf: torch.Tensor | None = None  # assembler thread
-        self.last: Future | BlockPlacement | None = None
+        self.last: Future | None = None
         self.error: BaseException | None = None  # why a row of it was lost, if one was
-        # Written by the device (`InlineCaptureSink.place`): `buf` is a region of an arena
-        # chunk, held by `lease`; rows are assigned as steps are planned (`planned`:
-        # position -> row), and a position joins `row_of` once its step is accepted.
-        self.lease: Lease | None = None
+        # Rows the device writes (`InlineCaptureSink.place`): regions of arena chunks, one
+        # after another (`_Segment`s, each from its first row on, doubling), assigned as
+        # steps are planned (`planned`: position -> row; a position joins `row_of` once its
+        # step is accepted). Rows from `spilled_at` on, where the arena had no room, come
+        # home with their blocks into `buf` (the assembler's). `placed` is the last
+        # placement that wrote here.
+        self.direct = False
+        self.segments: list[_Segment] = []
         self.planned: dict[int, int] = {}
-        self.place: tuple[torch.Tensor, int] | None = None  # (chunk, buf's first element)
+        self.spilled_at: int | None = None
+        self.placed: BlockPlacement | None = None
+
+    def segment(self, i: int) -> _Segment | None:
+        """The segment holding row `i`, if one does."""
+        for seg in reversed(self.segments):  # the last, but for positions computed again
+            if seg.start <= i:
+                return seg if i < seg.start + seg.capacity else None
+        return None
+
+    @property
+    def num_placed_rows(self) -> int:
+        """Rows the segments hold."""
+        return self.segments[-1].start + self.segments[-1].capacity if self.segments else 0
 
     def reserve(self, i: int, hidden: int) -> None:
         """Allocate the buffer, or grow it, to hold row `i`."""
@@ -162,9 +190,12 @@ class _BlockRows:
             self.buf = grown
 
     def wait(self) -> None:
-        """Wait for the last job that wrote here; raise if any row was lost."""
+        """Wait for the last job and the last placement that wrote here; raise if any row
+        was lost."""
         if self.last is not None:
             self.last.result()
+        if self.placed is not None:
+            self.placed.result()
         if self.error is not None:
             raise RuntimeError(f"capture rows were lost: {self.error}") from self.error
 
@@ -174,6 +205,8 @@ class InlineCaptureSink:
 
     def __init__(self, arena: CaptureArena | None = None) -> None:
         self.arena = arena  # where `place` carves buffers the device writes (None: nowhere)
+        self._maps: dict[tuple[int, ...], int] = {}  # a request's slot order -> its column map
+        self._maps_table: tuple[tuple[int, ...], np.ndarray] | None = None
         # request -> key -> position -> [H] (float32), from eager copies
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         self._eager: dict[str, set[int]] = {}  # request -> positions in `_rows`
@@ -192,69 +225,102 @@ class InlineCaptureSink:
                 blocks.row_of.pop(p, None)
 
     def place(self, writes: list[BlockWrite], slots: tuple[int, ...]) -> BlockPlacement | None:
-        """Give each capturing request of the step about to run (`writes`: every row of its
-        block, in order) a region of the arena the first time it captures, if one fits its
-        most positions, and its row there for this position (a position computed again
-        takes its row again). The device writes the block's rows there
-        (`Readback.copy_captures`); `write_block` then takes the rows of the step's
-        accepted positions as written."""
-        if self.arena is None or not writes:
+        """Plan where the device writes the block of the step about to run (`writes`: every
+        row of it, in order): each capturing request's row for this position (a position
+        computed again takes its row again) in its segments of the arena, a new segment
+        where its rows outgrow them. A request the arena has no first segment for, and a
+        request's rows past a segment it had no room for, come home with the block (the
+        drain and the assembler). `write_block` then takes the step's accepted positions.
+        (128 rows a step at batch 128: the loop is lean.)"""
+        arena = self.arena
+        if arena is None or not writes:
             return None
         placement = BlockPlacement([], complete=True)
-        hidden = self.arena.hidden
-        maps: dict[tuple[int, ...], int] = {}  # a request's slots -> its column map
-        by_chunk: dict[int, tuple[torch.Tensor, list[tuple[int, int, int, int]]]] = {}
-        for row, w in enumerate(writes):
-            assert w.row == row, "place takes every row of the block, in order"
-            rows = self._blocks.get(w.request_id)
+        blocks, maps, hidden = self._blocks, self._maps, arena.hidden
+        by_dtype: dict[torch.dtype, list[tuple[int, int, int, int]]] = {}
+        for row, (request_id, position, _, keys, dtype, max_rows) in enumerate(writes):
+            rows = blocks.get(request_id)
             if rows is None:
-                rows = self._blocks[w.request_id] = _BlockRows(w.keys, w.dtype, w.max_rows)
-                self._give_region(rows)
-            i = rows.planned.get(w.position)
-            if i is None and rows.buf is not None and rows.lease is not None:
-                i = len(rows.planned)
-                if i < rows.buf.shape[1]:
-                    rows.planned[w.position] = i
-                else:  # more positions than its capture can bring: never expected
-                    rows.error = rows.error or RuntimeError(
-                        f"position {w.position} is one more than the {i} its buffer holds"
-                    )
-                    i = None
-            if i is None or rows.place is None:
+                rows = blocks[request_id] = _BlockRows(keys, dtype, max_rows)
+                rows.direct = self._grow(rows, 0) is not None
+            if not rows.direct:  # its rows come home with the block
                 placement.complete = False
                 continue
-            chunk, first = rows.place
-            m = maps.setdefault(rows.slots, len(maps))
-            stride = rows.buf.shape[1] * hidden  # type: ignore[union-attr]
-            _, dests = by_chunk.setdefault(chunk.data_ptr(), (chunk, []))
-            dests.append((row, first + i * hidden, stride, m))
-            rows.last = placement
-        if not by_chunk:
+            planned = rows.planned
+            i = planned.get(position)
+            if i is None:
+                i = planned[position] = len(planned)
+            seg = rows.segment(i)
+            if seg is None and rows.spilled_at is None:
+                seg = self._grow(rows, i)
+                if seg is None:
+                    rows.spilled_at = i
+            if seg is None:
+                placement.complete = False
+                continue
+            m = maps.get(rows.slots)
+            if m is None:
+                m = maps[rows.slots] = len(maps)
+            dests = by_dtype.get(dtype)
+            if dests is None:
+                dests = by_dtype[dtype] = []
+            at = seg.address // dtype.itemsize + (i - seg.start) * hidden
+            dests.append((row, at, seg.capacity * hidden, m))
+            rows.placed = placement
+        if not by_dtype:
             return None
-        column_maps = np.full((len(maps), len(slots)), -1, np.int64)
-        for request_slots, m in maps.items():
-            key = {slot: k for k, slot in enumerate(request_slots)}
-            column_maps[m] = [key.get(slot, -1) for slot in slots]
-        for chunk, dests in by_chunk.values():
+        column_maps = self._column_maps(slots)
+        for dtype, dests in by_dtype.items():
+            chunks = [c.flat for c in arena.chunks[dtype]]
+            origin = lowest(chunks).data_ptr() // dtype.itemsize
             table = np.full((len(writes), 3), -1, np.int64)
             at = np.array(dests, np.int64)
+            at[:, 1] -= origin  # addresses from the lowest chunk
             table[at[:, 0]] = at[:, 1:]
-            placement.writes.append((chunk, np.concatenate([table.ravel(), column_maps.ravel()])))
+            placement.writes.append((chunks, np.concatenate([table.ravel(), column_maps.ravel()])))
         return placement
 
-    def _give_region(self, rows: _BlockRows) -> None:
-        """A region of the arena for all the positions `rows`' capture can bring, if one is
-        to be had: then the device writes its rows."""
+    def _column_maps(self, slots: tuple[int, ...]) -> np.ndarray:
+        """`[M, C]`: for each request slot order in `_maps`, its key of each of the block's
+        columns `slots` (-1: not asked for). Kept while the block's columns and the orders
+        stay (a server sees few)."""
+        cached = self._maps_table
+        if cached is not None and cached[0] == slots and len(cached[1]) == len(self._maps):
+            return cached[1]
+        if len(self._maps) > 256:  # orders of requests long gone: start again
+            self._maps.clear()
+        table = np.full((len(self._maps), len(slots)), -1, np.int64)
+        for request_slots, m in self._maps.items():
+            key = {slot: k for k, slot in enumerate(request_slots)}
+            table[m] = [key.get(slot, -1) for slot in slots]
+        self._maps_table = (slots, table)
+        return table
+
+    # A request's first segment, unless its capture brings fewer: most generations fit it
+    # whole, so their rows take one segment, and an engine that has served them a while
+    # page-locks no more chunks (`CaptureArena`: page-locking a chunk mid-run stalls steps).
+    FIRST_SEGMENT_ROWS = 256
+
+    def _grow(self, rows: _BlockRows, i: int) -> _Segment | None:
+        """A new segment of `rows` from its next row, holding row `i`: as many rows as it
+        holds already (doubling; the first `FIRST_SEGMENT_ROWS`, or the positions its
+        capture brings if fewer), not more than the rest of those positions or a chunk
+        holds. None where the arena has no room."""
         assert self.arena is not None
-        if not rows.max_rows:
-            return  # how many positions it brings is not known: the drain's way
-        hidden = self.arena.hidden
-        got = self.arena.take(len(rows.keys) * rows.max_rows, rows.dtype)
+        start, keys = rows.num_placed_rows, len(rows.keys)
+        capacity = max(start, self.FIRST_SEGMENT_ROWS)
+        if rows.max_rows is not None and rows.max_rows > start:
+            capacity = min(capacity, rows.max_rows - start)
+        per_chunk = self.arena.CHUNK_BYTES // (self.arena.hidden * rows.dtype.itemsize)
+        capacity = max(min(capacity, per_chunk // keys), i + 1 - start)
+        got = self.arena.take(keys * capacity, rows.dtype)
         if got is None:
-            return
-        chunk, run, rows.lease = got
-        rows.buf = run.view(len(rows.keys), rows.max_rows, hidden)
-        rows.place = (chunk.flat, (run.data_ptr() - chunk.flat.data_ptr()) // run.itemsize)
+            return None
+        _, run, lease = got
+        view = run.view(keys, capacity, self.arena.hidden)
+        seg = _Segment(start, capacity, view, lease, run.data_ptr())
+        rows.segments.append(seg)
+        return seg
 
     def write_block(self, block: Any, writes: list[BlockWrite]) -> None:
         jobs = []
@@ -267,9 +333,10 @@ class InlineCaptureSink:
                 eager.discard(position)
                 for by_pos in self._rows[request_id].values():
                     by_pos.pop(position, None)
-            if rows.lease is not None:  # the device wrote its row where `place` said
-                if (i := rows.planned.get(position)) is not None:
-                    rows.row_of[position] = i
+            if rows.direct:  # the device wrote its row where `place` said, or it spilled
+                i = rows.row_of[position] = rows.planned[position]
+                if rows.spilled_at is not None and i >= rows.spilled_at:
+                    jobs.append((rows, i, row))
                 continue
             i = rows.row_of.get(position)
             if i is None:
@@ -341,25 +408,20 @@ class InlineCaptureSink:
                 positions
             )
         blocks.wait()
-        if blocks.buf is None:  # no job reached it: say so in its output, fail nothing else
-            raise RuntimeError("capture rows were lost: none of its blocks' rows arrived")
         order = [blocks.row_of.get(p, -1) for p in positions]
+        buf = self._gathered(blocks, max(order) + 1) if blocks.direct else blocks.buf
+        if buf is None:  # no job reached it: say so in its output, fail nothing else
+            raise RuntimeError("capture rows were lost: none of its blocks' rows arrived")
         n = len(positions)
-        if order == list(range(n)) and blocks.lease is not None:  # out of the arena: one copy
-            own = host_empty(
-                (len(keys), n, blocks.buf.shape[-1]), blocks.dtype, _BlockRows.SLICED_BYTES
-            )
-            own.copy_(blocks.buf[:, :n])
-            out = dict(zip(keys, host_rows(own, n), strict=True))
-        elif order == list(range(n)):  # the common case: no copy
-            out = dict(zip(keys, host_rows(blocks.buf, n), strict=True))
+        if order == list(range(n)):  # the common case: no copy (of a gathered buffer's)
+            out = dict(zip(keys, host_rows(buf, n), strict=True))
         else:  # positions out of order, rows written again, or eager positions among them
             have = [j for j, r in enumerate(order) if r >= 0]
             index = torch.tensor([order[j] for j in have])
             out = {}
             for k_i, k in enumerate(keys):
-                t = out[k] = host_empty((len(positions), blocks.buf.shape[-1]), blocks.dtype)
-                t[have] = blocks.buf[k_i].index_select(0, index)
+                t = out[k] = host_empty((len(positions), buf.shape[-1]), blocks.dtype)
+                t[have] = buf[k_i].index_select(0, index)
                 for j, p in enumerate(positions):
                     if order[j] < 0:
                         t[j] = rows[k][p]
@@ -367,9 +429,30 @@ class InlineCaptureSink:
             out = {k: t.to(dtype) for k, t in out.items()}
         return out, positions
 
+    @staticmethod
+    def _gathered(blocks: _BlockRows, n: int) -> torch.Tensor:
+        """A request's first `n` rows out of its arena segments (and its spilled rows out of
+        its assembled buffer) into one buffer of its own, `[keys, n, H]`: the one copy its
+        rows take on the host, after which its segments can go back."""
+        hidden = blocks.segments[0].rows.shape[-1]
+        shape = (len(blocks.keys), n, hidden)
+        out = host_empty(shape, blocks.dtype, _BlockRows.SLICED_BYTES)
+        end = n if blocks.spilled_at is None else min(n, blocks.spilled_at)
+        for seg in blocks.segments:
+            if seg.start < end:
+                m = min(seg.capacity, end - seg.start)
+                out[:, seg.start : seg.start + m].copy_(seg.rows[:, :m])
+        if end < n:
+            assert blocks.buf is not None, "spilled rows are assembled"
+            out[:, end:n].copy_(blocks.buf[:, end:n])
+        return out
+
     def ready(self, request_id: str) -> bool:
         blocks = self._blocks.get(request_id)
-        return blocks is None or blocks.last is None or blocks.last.done()
+        if blocks is None:
+            return True
+        landed = blocks.placed is None or blocks.placed.done()
+        return landed and (blocks.last is None or blocks.last.done())
 
     def drop(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

@@ -128,28 +128,31 @@ class StepObserver:
         """Before the step runs: where the device is to write its capture block's rows
         (`CaptureSink.place`, every row, finished or not: that is known after the step)."""
         if step.block_captures and self.keeps_captures:
-            writes = self._block_writes(sched, step, accepted=False)
-            step.block_placement = self.sink.place(writes, step.block_slots)
+            step.block_writes = self._block_writes(sched, step)
+            step.block_placement = self.sink.place(step.block_writes, step.block_slots)
 
     def _write_block(self, sched: SchedulerOutput, step: StepInterventions) -> None:
-        """The step's capture block, one sink call for all its capturing requests."""
+        """The step's capture block, one sink call for all its capturing requests (those
+        not finished while the step was in flight)."""
         block = step.captured_block
         assert block is not None, "collect() gives every block-capturing step its block"
-        writes = self._block_writes(sched, step, accepted=True)
+        writes = step.block_writes or self._block_writes(sched, step)
+        scheduled = sched.scheduled
+        if any(scheduled[i].seq.is_finished for i, _ in step.block_captures):
+            writes = [
+                w
+                for w, (i, _) in zip(writes, step.block_captures, strict=True)
+                if not scheduled[i].seq.is_finished
+            ]
         self.sink.write_block(block, writes)
         self.num_block_captures += len(writes)
 
     @staticmethod
-    def _block_writes(
-        sched: SchedulerOutput, step: StepInterventions, accepted: bool
-    ) -> list[BlockWrite]:
-        """Each capturing request's row of the step's block; with `accepted`, only those of
-        requests not finished before the step's tokens were taken."""
+    def _block_writes(sched: SchedulerOutput, step: StepInterventions) -> list[BlockWrite]:
+        """Each capturing request's row of the step's block, in block row order."""
         scheduled, writes = sched.scheduled, []
         for row, (i, position) in enumerate(step.block_captures):  # 128 a step at batch 128
             seq = scheduled[i].seq
-            if accepted and seq.is_finished:
-                continue
             group = seq.group
             capture = group.interventions.capture
             rows = capture.max_positions(seq.num_prompt_tokens, group.params.max_tokens)

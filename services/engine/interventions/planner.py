@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,10 @@ class Readback:
             self.drain = CaptureDrain()
             weakref.finalize(self, self.drain.stop)  # the thread ends with its readback
         self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
+        # pinned staging for placement tables (`_upload_table`), grown on demand
+        self._tables = [torch.empty(0, dtype=torch.int64) for _ in range(self.TABLE_RING)]
+        self._table_done: list[Any] = [None] * self.TABLE_RING
+        self._table_turn = 0
         self._hosts: dict[str, list[torch.Tensor]] = {}
         self.ring = ring
         if self.on_cuda:
@@ -250,7 +255,7 @@ class Readback:
         stream.wait_event(ready)
         if placement is not None:
             with torch.cuda.stream(stream):
-                self.scatter_placed(staged, placement)
+                self.scatter_placed(staged, placement, self._upload_table)
                 placement.landed = torch.cuda.Event()
                 placement.landed.record(stream)
             if placement.complete:
@@ -270,13 +275,39 @@ class Readback:
         return block
 
     @staticmethod
-    def scatter_placed(block: torch.Tensor, placement: BlockPlacement) -> None:
-        """Write `block`'s placed rows into their chunks (on the current stream)."""
-        for chunk, table in placement.writes:
-            table = torch.from_numpy(table).to(block.device, non_blocking=True)
-            rows, columns = block.shape[0], block.shape[1]
+    def scatter_placed(
+        block: torch.Tensor,
+        placement: BlockPlacement,
+        upload: Callable[[np.ndarray], torch.Tensor] | None = None,
+    ) -> None:
+        """Write `block`'s placed rows into their chunks (on the current stream): one launch
+        a dtype, its table brought to the block's device by `upload` (on CPU, as it is)."""
+        rows, columns = block.shape[0], block.shape[1]
+        for chunks, host in placement.writes:
+            table = torch.from_numpy(host) if upload is None else upload(host)
             maps = table[3 * rows :].view(-1, columns)
-            scatter_rows(block, chunk, table[: 3 * rows].view(rows, 3), maps)
+            scatter_rows(block, chunks, table[: 3 * rows].view(rows, 3), maps)
+
+    TABLE_RING = 4  # placement tables in flight to the device
+
+    def _upload_table(self, table: np.ndarray) -> torch.Tensor:
+        """A placement table on the device, through a ring of pinned buffers (from pageable
+        memory the copy would wait for the stream, and the host with it; a fresh pinned
+        tensor a step would go through the caching host allocator, which the arena's thread
+        uses to page-lock chunks). A buffer is written again once its last copy is done."""
+        k = self._table_turn
+        self._table_turn = (k + 1) % self.TABLE_RING
+        if self._table_done[k] is not None:
+            self._table_done[k].synchronize()  # long done: four steps ago
+        if self._tables[k].numel() < len(table):
+            self._tables[k] = torch.empty(2 * len(table), dtype=torch.int64, pin_memory=True)
+        host = self._tables[k][: len(table)]
+        host.numpy()[:] = table
+        assert self.captures is not None
+        device_table = host.to(self.captures.device, non_blocking=True)
+        self._table_done[k] = torch.cuda.Event()
+        self._table_done[k].record()
+        return device_table
 
     def _slots_on_device(self, slots: tuple[int, ...]) -> torch.Tensor:
         index = self._slot_index.get(slots)
@@ -322,7 +353,9 @@ class StepInterventions:
     # its rows are kept in on the host (float32 unless every one of them asked bfloat16).
     block_slots: tuple[int, ...] = ()
     block_dtype: torch.dtype = torch.float32
-    # Where the device writes the block's rows on the host (the sink's `place`), if anywhere
+    # Each row's `BlockWrite`, and where the device writes the rows on the host (the sink's
+    # `place`, before the step), if anywhere
+    block_writes: list | None = None
     block_placement: BlockPlacement | None = None
 
     def __post_init__(self) -> None:

@@ -91,32 +91,43 @@ def capture(h: torch.Tensor, capture_rows: torch.Tensor, out: torch.Tensor, slot
 # -- the capture block's rows into their requests' host buffers ----------------------------
 #
 # Per-token capture brings each decode step's capture block home. `scatter_rows` writes a
-# block's rows straight into the requests' own buffers, regions of a pinned host chunk: on
-# CUDA the chunk is page-locked host memory, which the device addresses directly (unified
+# block's rows straight into the requests' own buffers, regions of host chunks: on CUDA the
+# chunks are page-locked host memory, which the device addresses directly (unified
 # addressing), so the copy is a kernel on the capture copy stream and the host does nothing
-# a step but plan where each row goes. Row r of the block belongs to a request whose buffer
-# is `[keys, capacity, H]` at element `dest[r, 0]` of the chunk, keys `dest[r, 1]` elements
-# apart; `maps[dest[r, 2], c]` is the request's key of the block's column c (-1: it did not
-# ask for it). A row at `dest[r, 0] < 0` belongs to another chunk, or to no request here.
-# The rows are converted to the chunk's dtype on the way.
+# a step but plan where each row goes. `chunks` are the chunks of one dtype; an address is
+# an element offset from the start of the lowest of them (`lowest`: so one launch reaches
+# every chunk, and no offset is negative, which the interpreter's pointers are not). Row r
+# of the block belongs to a request whose keys' rows start at element `dest[r, 0]` (-1: the
+# row goes elsewhere), keys `dest[r, 1]` elements apart; `maps[dest[r, 2], c]` is the
+# request's key of the block's column c (-1: it did not ask for it). Rows are converted to
+# the chunks' dtype on the way.
+
+
+def lowest(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The chunk at the lowest address: where `scatter_rows` counts addresses from."""
+    return min(chunks, key=lambda c: c.data_ptr())
 
 
 def scatter_rows_reference(
     src: torch.Tensor,  # [R, C, H] a capture block
-    dst: torch.Tensor,  # [N] a host chunk, flat
-    dest: torch.Tensor,  # [R, 3] int64: (offset, key stride, map) of each row
+    chunks: list[torch.Tensor],  # flat host chunks of one dtype
+    dest: torch.Tensor,  # [R, 3] int64: (address, key stride, map) of each row
     maps: torch.Tensor,  # [M, C] int64: each map's key of each column, or -1
 ) -> None:
-    """Write `src[r, c]` to `dst[offset + key * stride :][:H]` for each row with an offset
-    ≥ 0 and each column its map gives a key."""
-    H = src.shape[2]
-    for r, (offset, stride, m) in enumerate(dest.tolist()):
-        if offset < 0:
+    """Write `src[r, c]` to the `H` elements at `address + key * stride` (elements from the
+    lowest chunk's start) for each row with an address ≥ 0 and each column its map gives a
+    key."""
+    H, item = src.shape[2], chunks[0].itemsize
+    origin = lowest(chunks).data_ptr()
+    spans = [((c.data_ptr() - origin) // item, c) for c in chunks]
+    for r, (address, stride, m) in enumerate(dest.tolist()):
+        if address < 0:
             continue
         for c, key in enumerate(maps[m].tolist()):
             if key >= 0:
-                at = offset + key * stride
-                dst[at : at + H] = src[r, c].to(dst.dtype)
+                at = address + key * stride
+                start, chunk = next((s, t) for s, t in spans if s <= at < s + t.numel())
+                chunk[at - start : at - start + H] = src[r, c].to(chunk.dtype)
 
 
 # Programs a scatter launches. Stores to host memory wait on the PCIe link, and a program
@@ -160,27 +171,29 @@ if triton is not None:
 
 def scatter_rows_triton(
     src: torch.Tensor,
-    dst: torch.Tensor,
+    chunks: list[torch.Tensor],
     dest: torch.Tensor,
     maps: torch.Tensor,
     programs: int = SCATTER_PROGRAMS,
 ) -> None:
     """`scatter_rows_reference` as one Triton launch of `programs` programs, each walking
-    its share of the block's (row, column) pairs. On CUDA `src`, `dest` and `maps` are on
-    the device and `dst` is pinned host memory."""
+    its share of the block's (row, column) pairs, addressing every chunk from the first.
+    On CUDA `src`, `dest` and `maps` are on the device and the chunks pinned host memory."""
     R, C, H = src.shape
     if R == 0:
         return
-    assert src.is_contiguous() and dst.is_contiguous() and dest.is_contiguous()
-    assert dest.dtype == maps.dtype == torch.int64 and maps.shape[1] == C
+    assert src.is_contiguous() and all(c.is_contiguous() for c in chunks)
+    assert dest.is_contiguous() and dest.dtype == maps.dtype == torch.int64
+    assert maps.shape[1] == C and len({c.dtype for c in chunks}) == 1
     _scatter_rows_kernel[(min(programs, R * C),)](
-        src, dst, dest, maps, R, C, H=H, BLOCK_H=min(triton.next_power_of_2(H), MAX_BLOCK_H)
-    )
+        src, lowest(chunks), dest, maps, R, C, H=H,
+        BLOCK_H=min(triton.next_power_of_2(H), MAX_BLOCK_H),
+    )  # fmt: skip
 
 
 def scatter_rows(
-    src: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor, maps: torch.Tensor
+    src: torch.Tensor, chunks: list[torch.Tensor], dest: torch.Tensor, maps: torch.Tensor
 ) -> None:
     """Triton where `src` is on CUDA or under TRITON_INTERPRET=1, else the reference."""
     use_triton = triton is not None and (src.is_cuda or INTERPRET)
-    (scatter_rows_triton if use_triton else scatter_rows_reference)(src, dst, dest, maps)
+    (scatter_rows_triton if use_triton else scatter_rows_reference)(src, chunks, dest, maps)

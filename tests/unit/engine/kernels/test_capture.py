@@ -11,6 +11,7 @@ from services.engine.kernels.capture import (
     capture_reference,
     capture_slot,
     capture_triton,
+    lowest,
     scatter_rows,
     scatter_rows_reference,
     scatter_rows_triton,
@@ -62,34 +63,43 @@ def test_triton_copies_exactly_what_the_reference_copies(T, H):
 
 
 def _scatter_case(R: int, C: int, H: int, dtype=torch.float32):
-    """A block of R rows, C columns, and a chunk holding two requests' buffers (rows 0, 2,
-    3 the first's, asking every column; row 1 the second's, asking columns 0 and C-1 as its
-    keys 1 and 0), and a row of nobody's (-1)."""
+    """A block of R rows, C columns, and two chunks: the first holds the first request's
+    buffer (rows 0, 2, 3 its positions 0, 1, 2, asking every column), the second the
+    second's (row 1 its position 2, asking columns 0 and C-1 as its keys 1 and 0); a fifth
+    row is nobody's (-1). Addresses count from the first chunk."""
     g = torch.Generator().manual_seed(R * C * H)
     src = torch.randn(R, C, H, generator=g).to(torch.bfloat16)
     capacity = 4
-    dst = torch.full((2 * C * capacity * H + 7,), float("nan"), dtype=dtype)
-    second = C * capacity * H + 7  # not aligned to a row: offsets are elements
-    dest = torch.tensor(
-        [[0, capacity * H, 0], [second + 2 * H, capacity * H, 1], [H, capacity * H, 0]]
-        + [[2 * H, capacity * H, 0], [-1, 0, 0]][: R - 3],
-        dtype=torch.int64,
-    )
+    first = torch.full((C * capacity * H,), float("nan"), dtype=dtype)
+    second = torch.full((3 * capacity * H + 7,), float("nan"), dtype=dtype)
     maps = torch.full((2, C), -1, dtype=torch.int64)
     maps[0] = torch.arange(C)
     maps[1, 0], maps[1, C - 1] = 1, 0
-    return src, dst, dest, maps
+    return src, [first, second], _dest([first, second], capacity * H, H), maps
+
+
+def _dest(chunks: list[torch.Tensor], stride: int, H: int) -> torch.Tensor:
+    """`_scatter_case`'s rows' addresses in these chunks (from the lowest)."""
+    origin = lowest(chunks).data_ptr()
+    first, second = ((c.data_ptr() - origin) // c.itemsize for c in chunks)
+    second += 7  # its buffer starts off a row's alignment: addresses are elements
+    return torch.tensor(
+        [[first, stride, 0], [second + 2 * H, stride, 1], [first + H, stride, 0]]
+        + [[first + 2 * H, stride, 0], [-1, 0, 0]],
+        dtype=torch.int64,
+    )
 
 
 def test_scattered_rows_land_at_their_requests_keys_and_positions():
-    src, dst, dest, maps = _scatter_case(5, 3, 8)
-    scatter_rows_reference(src, dst, dest, maps)
+    src, (first, second), dest, maps = _scatter_case(5, 3, 8)
+    dest = dest[:5]
+    scatter_rows_reference(src, [first, second], dest, maps)
     H, capacity = 8, 4
-    first = dst[: 3 * capacity * H].view(3, capacity, H)  # [keys, capacity, H]
+    first = first.view(3, capacity, H)  # [keys, capacity, H]
     for row, i in ((0, 0), (2, 1), (3, 2)):  # block row -> its row of the first buffer
         assert torch.equal(first[:, i], src[row].float())
     assert first[:, 3].isnan().all()  # a row nobody wrote
-    second = dst[3 * capacity * H + 7 :].view(3, capacity, H)
+    second = second[7:].view(3, capacity, H)
     assert torch.equal(second[1, 2], src[1, 0].float())  # column 0 is its key 1
     assert torch.equal(second[0, 2], src[1, 2].float())  # column C-1 its key 0
     assert second[2].isnan().all() and second[:, [0, 1, 3]].isnan().all()
@@ -101,10 +111,11 @@ def test_scattered_rows_land_at_their_requests_keys_and_positions():
 @pytest.mark.parametrize("R,C,H", [(5, 3, 40), (4, 2, 1500)])  # 1500: two H tiles
 def test_triton_scatters_exactly_what_the_reference_scatters(R, C, H, dtype, programs):
     src, want, dest, maps = _scatter_case(R, C, H, dtype)
-    got = want.clone()
-    scatter_rows_reference(src, want, dest, maps)
-    scatter_rows_triton(src, got, dest, maps, programs)
-    assert torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(got.nan_to_num(), want.nan_to_num())  # a copy: bit for bit
-    scatter_rows(src, got, torch.full_like(dest, -1), maps)  # no row here: nothing changes
-    assert torch.equal(got.isnan(), want.isnan())
+    got = [t.clone() for t in want]
+    scatter_rows_reference(src, want, dest[:R], maps)
+    scatter_rows_triton(src, got, _dest(got, 4 * H, H)[:R], maps, programs)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.isnan(), w.isnan())
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())  # a copy: bit for bit
+    scatter_rows(src, got, torch.full_like(dest[:R], -1), maps)  # no row here: no change
+    assert all(torch.equal(g.isnan(), w.isnan()) for g, w in zip(got, want, strict=True))
