@@ -89,7 +89,8 @@ class EngineConfig:
     # 256 MiB at a time as requests need them): no thread of ours touches a row until the
     # request is delivered. A request whose buffer does not fit (its positions unknown,
     # larger than a chunk, or no room left) takes the drain's way above. None: an eighth of
-    # the host's memory, at most 16 GiB; 0: every request the drain's way.
+    # the host's memory, at most 16 GiB (per engine process: replicas sharing a host each
+    # take their own); 0: every request the drain's way. Otherwise at least one chunk.
     capture_arena_bytes: int | None = None
     # Overlap host work with the device: schedule and launch step N+1 before accepting step
     # N's tokens (not while a patch is still ahead of a request or a sync consumer is

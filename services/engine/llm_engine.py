@@ -33,6 +33,7 @@ from services.engine.device import make_attention_backend, resolve_device_dtype
 from services.engine.distributed import StepSync
 from services.engine.interventions.actions import Action, GlobalSteeringUpdate
 from services.engine.interventions.consumers import SyncConsumer
+from services.engine.interventions.host_rows import CaptureArena
 from services.engine.interventions.manager import InterventionManager
 from services.engine.interventions.planner import Readback
 from services.engine.interventions.vectors import VectorRegistry
@@ -207,8 +208,14 @@ class LLMEngine:
     def _capture_arena_bytes(self) -> int:
         """`capture_arena_bytes`, or by default an eighth of the host's memory, at most
         16 GiB (a chunk is page-locked only when requests need it)."""
-        if self.config.capture_arena_bytes is not None:
-            return self.config.capture_arena_bytes
+        arena = self.config.capture_arena_bytes
+        if arena is not None:
+            if 0 < arena < CaptureArena.CHUNK_BYTES:  # it could hold nothing: say so
+                raise InvalidRequestError(
+                    f"capture_arena_bytes must be 0 (off) or at least {CaptureArena.CHUNK_BYTES}"
+                    f" (one chunk), got {arena}"
+                )
+            return arena
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(total // 8, 16 << 30)
 

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from services.common.errors import InvalidRequestError
 from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
 from services.engine.kernels.steer import INTERPRET
 from services.engine.parallel import SINGLE_PROCESS
@@ -32,6 +33,12 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def model_dir(tiny_checkpoint):
     return tiny_checkpoint("qwen3")
+
+
+# Capture tests run both ways a decode block's rows reach their requests: written by the
+# device into the requests' arena buffers (the default), or, with no arena, brought home
+# whole and assembled by the sink's thread.
+WAYS = pytest.mark.parametrize("arena", [None, 0], ids=["placed", "assembled"])
 
 
 def _workload() -> list[tuple[str, str, SamplingParams]]:
@@ -378,6 +385,27 @@ def test_decode_captures_through_the_block_equal_eager_copies(model_dir):
     assert not (sink._rows or sink._blocks), "a finished request's captures are dropped"
 
 
+@WAYS
+def test_captures_survive_preemption_while_a_step_is_in_flight(model_dir, arena):
+    """A cache too small for the three capturing requests preempts them mid-decode, with
+    steps in flight: their positions are computed again (by a prefill: eager copies,
+    then blocks again), placed rows of a recomputed position go to the row it had, and
+    every request's captures equal a run with room for all (eager copies throughout)."""
+    small, _, engine = _captured(
+        model_dir, num_kv_blocks=12, block_size=4, capture_arena_bytes=arena
+    )
+    assert engine.stats()["num_preemptions"] > 0
+    roomy, _, _ = _captured(model_dir, graph_capture_rows=0)
+    for rid, out in small.items():
+        ref = roomy[rid]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.capture_positions == ref.capture_positions
+        for key, rows in out.captures.items():
+            torch.testing.assert_close(rows, ref.captures[key], atol=1e-4, rtol=1e-4)
+    sink = engine.interventions.sink
+    assert not (sink._rows or sink._blocks), "a finished request's captures are dropped"
+
+
 def test_a_step_with_more_capturing_tokens_than_buffer_rows_copies_eagerly(model_dir):
     few, counts, _ = _captured(model_dir, graph_capture_rows=1)
     eager, _, _ = _captured(model_dir, graph_capture_rows=0)
@@ -446,9 +474,6 @@ def test_a_capture_block_carries_the_sites_asked_for_in_the_dtype_asked_for(mode
         for key, rows in out.captures.items():
             assert rows.dtype == ref.captures[key].dtype
             torch.testing.assert_close(rows.float(), ref.captures[key].float(), atol=1e-4, rtol=0)
-
-
-WAYS = pytest.mark.parametrize("arena", [None, 0], ids=["placed", "assembled"])
 
 
 def _hold_rows(monkeypatch, arena: int | None) -> threading.Event:
@@ -564,6 +589,11 @@ def test_requests_the_arena_cannot_hold_take_the_drains_way_beside_placed_ones(
         assert out.capture_positions == eager[rid].capture_positions
         for key, rows in out.captures.items():
             torch.testing.assert_close(rows, eager[rid].captures[key], atol=1e-4, rtol=1e-4)
+
+
+def test_an_arena_too_small_to_hold_a_chunk_is_refused_with_the_reason(model_dir):
+    with pytest.raises(InvalidRequestError, match=r"capture_arena_bytes must be 0 \(off\) or"):
+        LLMEngine(model_dir, EngineConfig(device="cpu", dtype="float32", capture_arena_bytes=1))
 
 
 def test_a_request_whose_captured_rows_are_lost_says_so_and_the_rest_run_on(model_dir, monkeypatch):

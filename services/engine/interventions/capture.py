@@ -99,14 +99,19 @@ class BlockPlacement:
     def __init__(self, writes: list[tuple[list[torch.Tensor], np.ndarray]], complete: bool):
         self.writes = writes
         self.complete = complete
+        self.queued = False  # set once the writes are queued (or done, on CPU)
         self.landed: Any = None  # torch.cuda.Event
 
     def result(self) -> None:
+        """Wait for the writes; raise if they were never queued (the step did not run: its
+        rows will not come, and a write queued before may still be on its way)."""
+        if not self.queued:
+            raise RuntimeError("the step that was to write them did not run")
         if self.landed is not None:
             self.landed.synchronize()
 
     def done(self) -> bool:
-        return self.landed is None or self.landed.query()
+        return not self.queued or self.landed is None or self.landed.query()
 
 
 class _Segment(NamedTuple):
@@ -235,6 +240,9 @@ class InlineCaptureSink:
         arena = self.arena
         if arena is None or not writes:
             return None
+        if len(self._maps) > 256:  # slot orders of requests long gone: start again, before
+            self._maps.clear()  # this step's rows are given map indices
+            self._maps_table = None
         placement = BlockPlacement([], complete=True)
         blocks, maps, hidden = self._blocks, self._maps, arena.hidden
         by_dtype: dict[torch.dtype, list[tuple[int, int, int, int]]] = {}
@@ -287,8 +295,6 @@ class InlineCaptureSink:
         cached = self._maps_table
         if cached is not None and cached[0] == slots and len(cached[1]) == len(self._maps):
             return cached[1]
-        if len(self._maps) > 256:  # orders of requests long gone: start again
-            self._maps.clear()
         table = np.full((len(self._maps), len(slots)), -1, np.int64)
         for request_slots, m in self._maps.items():
             key = {slot: k for k, slot in enumerate(request_slots)}

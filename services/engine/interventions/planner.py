@@ -235,6 +235,7 @@ class Readback:
             cols = src if len(slots) == width else src[:, list(slots)]
             if placement is not None:
                 self.scatter_placed(cols.contiguous(), placement)
+                placement.queued = True
                 if placement.complete:
                     return CapturedBlock(None, slots)
             return CapturedBlock(cols.to(dtype, copy=True), slots)
@@ -258,6 +259,7 @@ class Readback:
                 self.scatter_placed(staged, placement, self._upload_table)
                 placement.landed = torch.cuda.Event()
                 placement.landed.record(stream)
+                placement.queued = True
             if placement.complete:
                 self._staging_done[k] = placement.landed
                 return CapturedBlock(None, slots, placement.landed)

@@ -158,8 +158,9 @@ def _placed_step(sink, block: CapturedBlock, writes: list[BlockWrite], finished=
     rows before the step, the device writes them (here the reference op, on CPU), and the
     accepted rows (not those of requests `finished` meanwhile) are written after it."""
     placement = sink.place(writes, SLOTS)  # every row of the block: its first len(writes)
-    if placement is not None:
+    if placement is not None:  # as `Readback.copy_captures` does off CUDA
         Readback.scatter_placed(block.host[: len(writes)].contiguous(), placement)
+        placement.queued = True
     host = None if placement is not None and placement.complete else block.host
     accepted = [w for w in writes if w.request_id not in finished]
     sink.write_block(CapturedBlock(host, SLOTS), accepted)
@@ -266,3 +267,36 @@ def test_the_arena_takes_chunks_as_needed_up_to_its_cap_and_refuses_beyond():
     assert arena.num_refused == 2
     del held[0]  # its run goes back
     assert arena.take(rows_a_chunk // 2, torch.float32) is not None
+
+
+def test_many_slot_orders_start_the_column_maps_again_before_a_step_is_placed():
+    """After requests asking keys in more than 256 orders (an engine's long life, here put
+    in place by hand), the sink starts its column maps again before a step's rows are
+    given theirs, so every row's map is in the step's table and reads its own columns."""
+    sink = InlineCaptureSink(CaptureArena(H, 4 * CaptureArena.CHUNK_BYTES, pin=False))
+    sink._maps.update({(1000 + i,): i for i in range(300)})  # orders of requests long gone
+    block = _blocks(1)[0]
+    sub = ["1.post_block", "0.post_attn"]
+    writes = [
+        BlockWrite("a", 0, 0, KEYS, torch.float32, 2),
+        BlockWrite("b", 0, 1, sub, torch.float32, 2),
+        BlockWrite("c", 0, 2, KEYS, torch.float32, 2),
+    ]
+    _placed_step(sink, block, writes)
+    assert len(sink._maps) == 2  # the step's two orders alone
+    for j, w in enumerate(writes):
+        rows, _ = sink.result(w.request_id)
+        for key in w.keys:
+            assert torch.equal(rows[key][0], block.host[j, KEYS.index(key)])
+
+
+def test_a_placement_whose_step_never_ran_says_so():
+    """A step placed and then not launched (it failed) writes nothing: its requests' rows
+    are lost, which their results say, instead of reading rows no one wrote."""
+    sink = InlineCaptureSink(CaptureArena(H, 4 * CaptureArena.CHUNK_BYTES, pin=False))
+    writes = [BlockWrite("r", 0, 0, KEYS, torch.float32, 4)]
+    placement = sink.place(writes, SLOTS)
+    assert placement is not None and placement.done()  # nothing queued: nothing to wait for
+    sink.write_block(CapturedBlock(None, SLOTS), writes)
+    with pytest.raises(RuntimeError, match="the step that was to write them did not run"):
+        sink.result("r")
