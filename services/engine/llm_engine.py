@@ -643,6 +643,8 @@ class LLMEngine:
         readback = self.runner.readback
         host_rows = readback.host_rows if readback else None
         drain = readback.drain if readback else None
+        sink = self.interventions.sink
+        arena = getattr(sink, "arena", None)
         return {
             "num_steps": self.num_steps,
             "num_running": len(self.scheduler.running),
@@ -674,5 +676,11 @@ class LLMEngine:
             "capture_drain_copy_wait_s": drain.copy_wait_s if drain else 0.0,
             "capture_drain_move_s": drain.move_s if drain else 0.0,
             "capture_drain_lag_s": drain.lag_s if drain else 0.0,
+            # the capture arena: page-locked host bytes it holds, block rows the device wrote
+            # into requests' buffers there, and buffers it had no room for (those requests,
+            # or their later rows, came home by the drain)
+            "capture_arena_bytes": arena.num_bytes if arena else 0,
+            "capture_rows_placed": sink.num_placed,
+            "capture_arena_refused": arena.num_refused if arena else 0,
             "config": asdict(self.config),
         }

@@ -97,6 +97,10 @@ class EngineCollector(Collector):
                 "prompt_tokens_per_second",
                 "Prompt tokens computed per second over the rate window.",
             ),
+            "capture_arena_bytes": (
+                "capture_arena_bytes",
+                "Page-locked host bytes held for captured rows the device writes directly.",
+            ),
         }
         counters = {
             "num_steps": ("steps", "Engine steps taken."),
@@ -106,6 +110,14 @@ class EngineCollector(Collector):
             "prefix_cache_hits": ("prefix_cache_hits", "Prefix-cache block hits."),
             "num_generated_tokens": ("generated_tokens", "Tokens generated."),
             "num_prompt_tokens_computed": ("prompt_tokens", "Prompt tokens computed."),
+            "capture_rows_placed": (
+                "capture_rows_placed",
+                "Captured token rows the device wrote into requests' arena buffers.",
+            ),
+            "capture_arena_refused": (
+                "capture_arena_refused",
+                "Capture buffers the arena had no room for (their rows took the drain).",
+            ),
         }
         for key, (name, doc) in gauges.items():
             if key in s:

@@ -210,6 +210,7 @@ class InlineCaptureSink:
 
     def __init__(self, arena: CaptureArena | None = None) -> None:
         self.arena = arena  # where `place` carves buffers the device writes (None: nowhere)
+        self.num_placed = 0  # block rows `place` gave a place in the arena
         self._maps: dict[tuple[int, ...], int] = {}  # a request's slot order -> its column map
         self._maps_table: tuple[tuple[int, ...], np.ndarray] | None = None
         # request -> key -> position -> [H] (float32), from eager copies
@@ -277,6 +278,7 @@ class InlineCaptureSink:
             rows.placed = placement
         if not by_dtype:
             return None
+        self.num_placed += sum(len(dests) for dests in by_dtype.values())
         column_maps = self._column_maps(slots)
         for dtype, dests in by_dtype.items():
             chunks = [c.flat for c in arena.chunks[dtype]]
