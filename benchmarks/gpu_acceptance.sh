@@ -23,8 +23,9 @@
 #               with per-token capture), and the Llama-3-8B batch-256 step (1; 260 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
 #   capture     host_copy.py on this host (the Llama-3-8B batch-128 block), then
-#               steering_overhead.py's capture rows at batch 32 (Qwen3-0.6B shape) and at
-#               32 and 128 (Llama-3-8B shape), K = 1 (1; 360 s)
+#               steering_overhead.py's capture rows at batch 32 and 128 (Qwen3-0.6B shape;
+#               128 also with --capture-arena-bytes 0, the drain's way) and at 128
+#               (Llama-3-8B shape), K = 1 (1; 460 s)
 #   tp          decode.py --parallel 2x1u,2x1,1x2 on the Llama-3-8B shape (2; 300 s;
 #               2x1 fuses each all-reduce with its norm by default, 2x1u keeps them apart)
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
@@ -71,7 +72,7 @@ interrupted=0
 
 # The one-GPU steps and their limits (`run` reads them here), for LANES.
 declare -A ONE_GPU=(
-    [tests]=540 [tests-kernels]=480 [decode]=360 [profile]=260 [steering]=240 [capture]=360
+    [tests]=540 [tests-kernels]=480 [decode]=360 [profile]=260 [steering]=240 [capture]=460
 )
 # The kernel test files (`tests-kernels`); `tests` runs the rest of tests/gpu.
 KERNEL_TESTS=(tests/gpu/test_fused_kernels_bf16.py tests/gpu/test_patch_kernel_bf16.py
@@ -203,13 +204,15 @@ run() {
     capture)
         local so="$one python3 benchmarks/steering_overhead.py --prompt-len 512 --output-len 48"
         so+=" --skip-hf --repeats 2 --ks 1 --decode-steps 32 --adapters 0"
+        local qwen="--layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072"
+        qwen+=" --vocab 151936"
         local llama="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336"
         llama+=" --vocab 128256 --gpu-memory-utilization 0.8"
         step capture 1 "${ONE_GPU[capture]}" bash -c "$both" capture \
             "python3 benchmarks/host_copy.py --tokens 128 --layers 32 --hidden 4096" \
-            "$so --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 3072 \
-                --vocab 151936 --num-seqs 32" \
-            "$so $llama --num-seqs 32" \
+            "$so $qwen --num-seqs 32" \
+            "$so $qwen --num-seqs 128" \
+            "$so $qwen --num-seqs 128 --capture-arena-bytes 0" \
             "$so $llama --num-seqs 128 --profile $(printf %q "$OUT/profile-capture")" ;;
     tp)
         step tp 2 300 python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
