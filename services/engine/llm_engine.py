@@ -680,7 +680,7 @@ class LLMEngine:
             # into requests' buffers there, and buffers it had no room for (those requests,
             # or their later rows, came home by the drain)
             "capture_arena_bytes": arena.num_bytes if arena else 0,
-            "capture_rows_placed": sink.num_placed,
+            "capture_rows_placed": getattr(sink, "num_placed", 0),
             "capture_arena_refused": arena.num_refused if arena else 0,
             "config": asdict(self.config),
         }

@@ -26,8 +26,9 @@ region of a host chunk the device writes into directly (`host_rows.CaptureArena`
 on CUDA), the block's rows go there by one kernel on the capture copy stream
 (`kernels.capture.scatter_rows`), and no thread of ours touches them until the request is
 delivered, when its rows are copied out of the chunk in one copy and its region goes back.
-A request whose buffer cannot be had there (positions unknown, larger than a chunk, or no
-room) takes the drain and the assembler.
+Buffers are segments, grown as a request's rows outgrow them. A request the arena has no
+room for (or whose next segment it has none for, from that row on) takes the drain and the
+assembler.
 """
 
 from __future__ import annotations
@@ -342,7 +343,11 @@ class InlineCaptureSink:
                 for by_pos in self._rows[request_id].values():
                     by_pos.pop(position, None)
             if rows.direct:  # the device wrote its row where `place` said, or it spilled
-                i = rows.row_of[position] = rows.planned[position]
+                i = rows.planned.get(position)
+                if i is None:  # not placed before its step ran: never expected, so say so
+                    rows.error = rows.error or RuntimeError(f"position {position} had no place")
+                    continue
+                rows.row_of[position] = i
                 if rows.spilled_at is not None and i >= rows.spilled_at:
                     jobs.append((rows, i, row))
                 continue
