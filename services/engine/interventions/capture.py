@@ -75,7 +75,8 @@ class CaptureSink(Protocol):
         position order."""
 
     def ready(self, request_id: str) -> bool:
-        """Whether `result` would return at once (the request's rows are all home)."""
+        """Whether `result` would return at once (the request's rows are all home). Asked of
+        a finished request only: it may start bringing them together."""
 
     def drop(self, request_id: str) -> None:
         """Forget the request (finished and delivered, or aborted)."""
@@ -165,6 +166,8 @@ class _BlockRows:
         self.planned: dict[int, int] = {}
         self.spilled_at: int | None = None
         self.placed: BlockPlacement | None = None
+        # its first rows copied out of its segments on the sink's thread (`ready`)
+        self.gathered: tuple[int, Future] | None = None
 
     def segment(self, i: int) -> _Segment | None:
         """The segment holding row `i`, if one does."""
@@ -422,7 +425,16 @@ class InlineCaptureSink:
             )
         blocks.wait()
         order = [blocks.row_of.get(p, -1) for p in positions]
-        buf = self._gathered(blocks, max(order) + 1) if blocks.direct else blocks.buf
+        buf = blocks.buf
+        if blocks.direct:
+            n_rows, gathered = blocks.gathered or (None, None)
+            if gathered is None or n_rows != max(order) + 1:
+                buf = self._gathered(blocks, max(order) + 1)
+            else:
+                try:
+                    buf = gathered.result()
+                except Exception as exc:  # e.g. no memory for it: this request alone fails
+                    raise RuntimeError(f"capture rows were lost: {exc}") from exc
         if buf is None:  # no job reached it: say so in its output, fail nothing else
             raise RuntimeError("capture rows were lost: none of its blocks' rows arrived")
         n = len(positions)
@@ -461,11 +473,22 @@ class InlineCaptureSink:
         return out
 
     def ready(self, request_id: str) -> bool:
+        """Asked of a finished request: whether its rows are home. Once the device's writes
+        have landed, a request in the arena has its rows copied out of its segments on the
+        sink's thread (`_gathered`, megabytes a request: off the engine's thread), and is
+        ready when that is done."""
         blocks = self._blocks.get(request_id)
         if blocks is None:
             return True
         landed = blocks.placed is None or blocks.placed.done()
-        return landed and (blocks.last is None or blocks.last.done())
+        if not (landed and (blocks.last is None or blocks.last.done())):
+            return False
+        if not blocks.direct or not blocks.row_of:
+            return True
+        n = max(blocks.row_of.values()) + 1
+        if blocks.gathered is None or blocks.gathered[0] != n:
+            blocks.gathered = (n, self._pool.submit(self._gathered, blocks, n))
+        return blocks.gathered[1].done()
 
     def drop(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

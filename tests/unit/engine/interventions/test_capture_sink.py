@@ -5,6 +5,7 @@ a view of its rows, not a copy made when it finishes."""
 
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -300,3 +301,30 @@ def test_a_placement_whose_step_never_ran_says_so():
     sink.write_block(CapturedBlock(None, SLOTS), writes)
     with pytest.raises(RuntimeError, match="the step that was to write them did not run"):
         sink.result("r")
+
+
+def test_a_finished_placed_request_is_gathered_off_the_callers_thread_once(monkeypatch):
+    """Asked whether a finished request's rows are home, the sink copies them out of its
+    arena segments on its own thread (megabytes a request, off the engine's); the result
+    then takes that copy rather than making another."""
+    calls: list[str] = []
+    gathered = InlineCaptureSink._gathered
+
+    def counted(blocks, n):
+        calls.append(threading.current_thread().name)
+        return gathered(blocks, n)
+
+    monkeypatch.setattr(InlineCaptureSink, "_gathered", staticmethod(counted))
+    sink = InlineCaptureSink(CaptureArena(H, 4 * CaptureArena.CHUNK_BYTES, pin=False))
+    blocks = _blocks(3)
+    for p, block in enumerate(blocks):
+        _placed_step(sink, block, [BlockWrite("r", p, 0, KEYS, torch.float32, 8)])
+    for _ in range(200):
+        if sink.ready("r"):
+            break
+        time.sleep(0.01)
+    assert sink.ready("r")
+    rows, positions = sink.result("r")
+    assert positions == [0, 1, 2]
+    assert torch.equal(rows["1.post_block"], torch.stack([b.host[0, 3] for b in blocks]))
+    assert len(calls) == 1 and calls[0].startswith("capture-assemble")
