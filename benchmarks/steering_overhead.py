@@ -41,6 +41,7 @@ import torch
 from generated_model import add_model_arguments, checkpoint_dir, resolve_device
 from throughput import DTYPES, hf_generate, load_hf, sync
 
+import services.engine.kernels.capture as capture_kernels
 from services.engine import LLM, SamplingParams
 from services.engine.heap import freeze_startup_heap
 from services.engine.host_memory import transparent_huge_pages
@@ -517,6 +518,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     e.add_argument(
+        "--scatter-programs",
+        type=int,
+        help="programs of the capture scatter kernel (kernels/capture.py SCATTER_PROGRAMS)",
+    )
+    e.add_argument(
         "--capture-arena-bytes",
         type=int,
         help="EngineConfig.capture_arena_bytes (default: the engine's; 0: drain and assembler)",
@@ -552,6 +558,8 @@ def main(argv: list[str] | None = None) -> None:
 def bench(args: argparse.Namespace, model_dir: Path) -> None:
     """Time every configuration and print the table and the sanity checks."""
     device, dtype = args.device, DTYPES[args.dtype]
+    if args.scatter_programs:
+        capture_kernels.SCATTER_PROGRAMS = args.scatter_programs
     cfg = load_model_config(model_dir)
     if args.prompt_len + args.output_len > cfg.max_position_embeddings:
         raise SystemExit(

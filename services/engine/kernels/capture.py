@@ -134,7 +134,9 @@ def scatter_rows_reference(
 # holds its SM while they do: one program per (row, column) filled every SM and stalled a
 # matmul beside it as long as the copy took (an H200: 40 scatters of 67 MB beside 20
 # matmuls, 77.6 ms where the matmuls alone took 28). A few programs, each walking a share of
-# the block, keep the link busy and leave the rest of the GPU to the next step.
+# the block, keep the link busy and leave the rest of the GPU to the next step. 16 is not
+# tuned: whether it fills the link for large blocks (the Llama-3-8B shape's three-site rows,
+# 201 MB a step) is to be measured (`steering_overhead.py --scatter-programs N`).
 SCATTER_PROGRAMS = 16
 
 if triton is not None:
@@ -174,7 +176,7 @@ def scatter_rows_triton(
     chunks: list[torch.Tensor],
     dest: torch.Tensor,
     maps: torch.Tensor,
-    programs: int = SCATTER_PROGRAMS,
+    programs: int | None = None,
 ) -> None:
     """`scatter_rows_reference` as one Triton launch of `programs` programs, each walking
     its share of the block's (row, column) pairs, addressing every chunk from the first.
@@ -185,6 +187,7 @@ def scatter_rows_triton(
     assert src.is_contiguous() and all(c.is_contiguous() for c in chunks)
     assert dest.is_contiguous() and dest.dtype == maps.dtype == torch.int64
     assert maps.shape[1] == C and len({c.dtype for c in chunks}) == 1
+    programs = programs or SCATTER_PROGRAMS  # read at the call: a benchmark may set it
     _scatter_rows_kernel[(min(programs, R * C),)](
         src, lowest(chunks), dest, maps, R, C, H=H,
         BLOCK_H=min(triton.next_power_of_2(H), MAX_BLOCK_H),
