@@ -168,6 +168,7 @@ class _BlockRows:
         self.placed: BlockPlacement | None = None
         # its first rows copied out of its segments on the sink's thread (`ready`)
         self.gathered: tuple[int, Future] | None = None
+        self.map_index, self.map_epoch = 0, -1  # its column map in the sink's `_maps`
 
     def segment(self, i: int) -> _Segment | None:
         """The segment holding row `i`, if one does."""
@@ -217,6 +218,7 @@ class InlineCaptureSink:
         self.num_placed = 0  # block rows `place` gave a place in the arena
         self._maps: dict[tuple[int, ...], int] = {}  # a request's slot order -> its column map
         self._maps_table: tuple[tuple[int, ...], np.ndarray] | None = None
+        self._maps_epoch = 0  # counts the times `_maps` started again
         # request -> key -> position -> [H] (float32), from eager copies
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         self._eager: dict[str, set[int]] = {}  # request -> positions in `_rows`
@@ -242,15 +244,16 @@ class InlineCaptureSink:
         request's rows past a segment it had no room for, come home with the block (the
         drain and the assembler). `write_block` then takes the step's accepted positions.
         (128 rows a step at batch 128: the loop is lean.)"""
-        arena = self.arena
-        if arena is None or not writes:
+        if self.arena is None or not writes:
             return None
         if len(self._maps) > 256:  # slot orders of requests long gone: start again, before
             self._maps.clear()  # this step's rows are given map indices
             self._maps_table = None
+            self._maps_epoch += 1
         placement = BlockPlacement([], complete=True)
-        blocks, maps, hidden = self._blocks, self._maps, arena.hidden
-        by_dtype: dict[torch.dtype, list[tuple[int, int, int, int]]] = {}
+        blocks, maps, hidden, epoch = self._blocks, self._maps, self.arena.hidden, self._maps_epoch
+        # per dtype: block rows, their addresses (elements), key strides and column maps
+        by_dtype: dict[torch.dtype, tuple[list[int], list[int], list[int], list[int]]] = {}
         for row, (request_id, position, _, keys, dtype, max_rows) in enumerate(writes):
             rows = blocks.get(request_id)
             if rows is None:
@@ -263,34 +266,40 @@ class InlineCaptureSink:
             i = planned.get(position)
             if i is None:
                 i = planned[position] = len(planned)
-            seg = rows.segment(i)
-            if seg is None and rows.spilled_at is None:
-                seg = self._grow(rows, i)
+            seg = rows.segments[-1]  # the last, unless a position was computed again
+            if not seg.start <= i < seg.start + seg.capacity:
+                seg = rows.segment(i)
+                if seg is None and rows.spilled_at is None:
+                    seg = self._grow(rows, i)
+                    if seg is None:
+                        rows.spilled_at = i
                 if seg is None:
-                    rows.spilled_at = i
-            if seg is None:
-                placement.complete = False
-                continue
-            m = maps.get(rows.slots)
-            if m is None:
-                m = maps[rows.slots] = len(maps)
-            dests = by_dtype.get(dtype)
-            if dests is None:
-                dests = by_dtype[dtype] = []
-            at = seg.address // dtype.itemsize + (i - seg.start) * hidden
-            dests.append((row, at, seg.capacity * hidden, m))
+                    placement.complete = False
+                    continue
+            if rows.map_epoch != epoch:  # its column map's index (kept: hashing its slots
+                m = maps.get(rows.slots)  # a row a step is what it saves)
+                if m is None:
+                    m = maps[rows.slots] = len(maps)
+                rows.map_index, rows.map_epoch = m, epoch
+            lists = by_dtype.get(dtype)
+            if lists is None:
+                lists = by_dtype[dtype] = ([], [], [], [])
+            lists[0].append(row)
+            lists[1].append(seg.address // dtype.itemsize + (i - seg.start) * hidden)
+            lists[2].append(seg.capacity * hidden)
+            lists[3].append(rows.map_index)
             rows.placed = placement
         if not by_dtype:
             return None
-        self.num_placed += sum(len(dests) for dests in by_dtype.values())
         column_maps = self._column_maps(slots)
-        for dtype, dests in by_dtype.items():
-            chunks = [c.flat for c in arena.chunks[dtype]]
+        for dtype, (placed_rows, addresses, strides, map_of) in by_dtype.items():
+            self.num_placed += len(placed_rows)
+            chunks = [c.flat for c in self.arena.chunks[dtype]]
             origin = lowest(chunks).data_ptr() // dtype.itemsize
             table = np.full((len(writes), 3), -1, np.int64)
-            at = np.array(dests, np.int64)
-            at[:, 1] -= origin  # addresses from the lowest chunk
-            table[at[:, 0]] = at[:, 1:]
+            table[placed_rows, 0] = np.array(addresses, np.int64) - origin  # from the lowest
+            table[placed_rows, 1] = strides
+            table[placed_rows, 2] = map_of
             placement.writes.append((chunks, np.concatenate([table.ravel(), column_maps.ravel()])))
         return placement
 
