@@ -496,10 +496,19 @@ class InlineCaptureSink:
             return True
         n = max(blocks.row_of.values()) + 1
         if blocks.gathered is None or blocks.gathered[0] != n:
+            hidden = blocks.segments[0].rows.shape[-1]
+            if len(blocks.keys) * n * hidden * blocks.dtype.itemsize < self.GATHER_ON_POOL:
+                return True  # small: `result` copies it at once, this step
             blocks.gathered = (n, self._pool.submit(self._gathered, blocks, n))
         return blocks.gathered[1].done()
 
+    # Rows of a finished request from this many bytes are copied out of the arena on the
+    # sink's thread (delivered a step later); smaller ones by `result`, in the same step.
+    GATHER_ON_POOL = 1 << 20
+
     def drop(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
-        self._blocks.pop(request_id, None)
+        blocks = self._blocks.pop(request_id, None)
+        if blocks is not None:  # a failed gather's traceback would hold its segments
+            blocks.gathered = None
         self._eager.pop(request_id, None)

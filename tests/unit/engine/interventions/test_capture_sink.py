@@ -303,10 +303,12 @@ def test_a_placement_whose_step_never_ran_says_so():
         sink.result("r")
 
 
-def test_a_finished_placed_request_is_gathered_off_the_callers_thread_once(monkeypatch):
-    """Asked whether a finished request's rows are home, the sink copies them out of its
-    arena segments on its own thread (megabytes a request, off the engine's); the result
-    then takes that copy rather than making another."""
+@pytest.mark.parametrize("on_pool", [True, False], ids=["large", "small"])
+def test_a_finished_placed_request_is_gathered_off_the_callers_thread_once(monkeypatch, on_pool):
+    """Asked whether a finished request's rows are home, the sink copies large ones out of
+    its arena segments on its own thread (megabytes a request, off the engine's), and the
+    result then takes that copy rather than making another; small ones are home at once,
+    and the result copies them on the caller's thread (no step's wait for a thread)."""
     calls: list[str] = []
     gathered = InlineCaptureSink._gathered
 
@@ -315,6 +317,8 @@ def test_a_finished_placed_request_is_gathered_off_the_callers_thread_once(monke
         return gathered(blocks, n)
 
     monkeypatch.setattr(InlineCaptureSink, "_gathered", staticmethod(counted))
+    if on_pool:  # these rows count as large
+        monkeypatch.setattr(InlineCaptureSink, "GATHER_ON_POOL", 0)
     sink = InlineCaptureSink(CaptureArena(H, 4 * CaptureArena.CHUNK_BYTES, pin=False))
     blocks = _blocks(3)
     for p, block in enumerate(blocks):
@@ -327,4 +331,5 @@ def test_a_finished_placed_request_is_gathered_off_the_callers_thread_once(monke
     rows, positions = sink.result("r")
     assert positions == [0, 1, 2]
     assert torch.equal(rows["1.post_block"], torch.stack([b.host[0, 3] for b in blocks]))
-    assert len(calls) == 1 and calls[0].startswith("capture-assemble")
+    assert len(calls) == 1
+    assert calls[0].startswith("capture-assemble" if on_pool else "MainThread")
