@@ -87,8 +87,8 @@ class EngineConfig:
     # Host memory (bytes) that per-token capture may hold for requests' own buffers in
     # chunks the device writes each block's rows into directly (page-locked on CUDA, taken
     # 256 MiB at a time as requests need them): no thread of ours touches a row until the
-    # request is delivered. A request whose buffer does not fit (its positions unknown,
-    # larger than a chunk, or no room left) takes the drain's way above. None: an eighth of
+    # request is delivered. A request the arena has no room for (or, from that row on, one
+    # whose rows outgrow the room it has) takes the drain's way above. None: an eighth of
     # the host's memory, at most 16 GiB (per engine process: replicas sharing a host each
     # take their own); 0: every request the drain's way. Otherwise at least one chunk.
     capture_arena_bytes: int | None = None

@@ -332,12 +332,12 @@ class InlineCaptureSink:
         capacity = max(start, self.FIRST_SEGMENT_ROWS)
         if rows.max_rows is not None and rows.max_rows > start:
             capacity = min(capacity, rows.max_rows - start)
-        per_chunk = self.arena.CHUNK_BYTES // (self.arena.hidden * rows.dtype.itemsize)
+        per_chunk = self.arena.rows_per_chunk(rows.dtype)
         capacity = max(min(capacity, per_chunk // keys), i + 1 - start)
         got = self.arena.take(keys * capacity, rows.dtype)
         if got is None:
             return None
-        _, run, lease = got
+        run, lease = got
         view = run.view(keys, capacity, self.arena.hidden)
         seg = _Segment(start, capacity, view, lease, run.data_ptr())
         rows.segments.append(seg)

@@ -222,20 +222,24 @@ class CaptureArena:
     def num_chunks(self) -> int:
         return sum(len(c) for c in self.chunks.values())
 
-    def take(self, rows: int, dtype: torch.dtype) -> tuple[PinnedRows, torch.Tensor, Lease] | None:
-        """`rows` rows of `hidden` in `dtype`: the chunk, its run and the run's lease."""
-        per_chunk = self.CHUNK_BYTES // (self.hidden * dtype.itemsize)
+    def rows_per_chunk(self, dtype: torch.dtype) -> int:
+        """Rows of `hidden` in `dtype` a chunk holds: the most one `take` can have."""
+        return self.CHUNK_BYTES // (self.hidden * dtype.itemsize)
+
+    def take(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, Lease] | None:
+        """`rows` rows of `hidden` in `dtype`: a run of a chunk and the run's lease."""
+        per_chunk = self.rows_per_chunk(dtype)
         if rows <= per_chunk:
             chunks = self.chunks.setdefault(dtype, [])
             for chunk in reversed(chunks):  # the newest has room most often
                 if (got := chunk.try_take(rows)) is not None:
-                    return chunk, *got
+                    return got
             if self.num_bytes + self.CHUNK_BYTES <= self.max_bytes:
                 chunk = PinnedRows(per_chunk, (self.hidden,), dtype, self.pin)
                 chunks.append(chunk)
                 self.num_bytes += self.CHUNK_BYTES
                 got = chunk.try_take(rows)
                 assert got is not None
-                return chunk, *got
+                return got
         self.num_refused += 1
         return None

@@ -179,7 +179,7 @@ def scatter_rows_triton(
     programs: int | None = None,
 ) -> None:
     """`scatter_rows_reference` as one Triton launch of `programs` programs, each walking
-    its share of the block's (row, column) pairs, addressing every chunk from the first.
+    its share of the block's (row, column) pairs, addressing every chunk from the lowest.
     On CUDA `src`, `dest` and `maps` are on the device and the chunks pinned host memory."""
     R, C, H = src.shape
     if R == 0:
