@@ -48,10 +48,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        Prompts are admitted as the engine gets to them: before the first step, those of
-        about two steps' token budget, then more after each step (`_admit_ahead`), so on a
-        GPU their admission (steering specs resolved, vectors decoded) runs while the
-        device computes the steps launched before, not ahead of all of them.
+        Prompts are admitted as the engine gets to them: before each step, those the step
+        can take (a step's token budget waiting, `_admit_ahead`), so on a GPU their
+        admission (steering specs resolved, vectors decoded) runs while the device
+        computes the step launched before, in even shares rather than ahead of all steps.
 
         A bad prompt fails the whole call (naming its index) and leaves nothing queued or
         running.
@@ -72,7 +72,7 @@ class LLM:
             )
         todo = list(enumerate(zip(prompts, params, strict=True)))[::-1]  # pop() takes the next
         rids: list[str] = []
-        self._admit_ahead(todo, rids)
+        self._admit_ahead(todo, rids)  # one step's prompts: the first step starts soon
         totals = OutputAccumulator()
         final: dict[str, RequestOutput] = {}
         bar = None
@@ -95,12 +95,13 @@ class LLM:
         self, todo: list[tuple[int, tuple[Prompt, SamplingParams]]], rids: list[str]
     ) -> None:
         """Admit prompts from the end of `todo` (appending their ids to `rids`) until the
-        engine has two steps' worth of prompt tokens waiting, or a batch of sequences, or
-        `todo` is empty. A bad prompt aborts every request of the call and raises."""
+        engine has a step's worth of prompt tokens waiting, or a batch of sequences, or
+        `todo` is empty: what the next step can take, so admission is spread evenly over
+        the steps that prefill. A bad prompt aborts every request of the call and raises."""
         engine = self.engine
         sched = engine.scheduler
         waiting = sum(s.num_tokens - s.num_computed for s in sched.waiting)
-        budget = 2 * sched.max_num_batched_tokens
+        budget = sched.max_num_batched_tokens
         # One SamplingParams for many prompts: its steering resolves once a wave.
         with engine.interventions.resolver.shared_specs():
             while todo and waiting < budget and len(sched.waiting) < sched.max_num_seqs:

@@ -239,8 +239,8 @@ class LLMEngine:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty (it encodes to zero tokens)")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # at C speed; the names if not
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
             raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(

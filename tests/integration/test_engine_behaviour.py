@@ -111,16 +111,19 @@ def test_a_bad_prompt_late_in_a_long_call_leaves_nothing_queued(model_dir, alone
 
 
 def test_generate_admits_prompts_as_the_engine_reaches_them(model_dir):
-    """`LLM.generate` admits about two steps' token budget of prompts before the first step
-    and the rest between steps (on a GPU, while the device computes), and every prompt
-    gets what it gets in a call of its own."""
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    """`LLM.generate` admits one step's token budget of prompts before the first step (so
+    it starts as soon as it can) and the rest between steps (on a GPU, while the device
+    computes), and every prompt gets what it gets in a call of its own."""
+    budget = 64
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=budget)
     prompts = [f"{w} " * (20 + i) for i, w in enumerate(["harbour", "log", "tide"] * 4)]
     want = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
-    engine, seen = llm.engine, []
+    engine, seen, first_wave = llm.engine, [], []
 
     def step():
         seen.append(len(engine.requests))  # admitted and unfinished, as the step starts
+        if len(seen) == 1:  # in the order admitted
+            first_wave.extend(len(g.prompt_token_ids) for g in engine.requests.values())
         return type(engine).step(engine)
 
     engine.step = step
@@ -130,6 +133,7 @@ def test_generate_admits_prompts_as_the_engine_reaches_them(model_dir):
         del engine.step
     assert [o.outputs[0].token_ids for o in outs] == want
     assert seen[0] < len(prompts), "every prompt was admitted before the first step"
+    assert sum(first_wave[:-1]) < budget <= sum(first_wave), first_wave  # one step's worth
     assert max(seen) > seen[0], "no prompt was admitted between steps"
 
 

@@ -149,6 +149,7 @@ class Readback:
         self.last_fired = torch.zeros(max_seqs, dtype=i32, device=device)
         shape = (max_seqs, num_layers, len(SITES), columns)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+        self._score_views: dict[SiteKey, torch.Tensor] = {}  # `scores_at`'s
         self.num_layers = num_layers
         self.captures: torch.Tensor | None = None
         if capture_rows > 0:
@@ -185,7 +186,10 @@ class Readback:
 
     def scores_at(self, layer: int, site: str) -> torch.Tensor:
         """[sequences, columns] view of one site's scores (row stride: every site's)."""
-        return self.scores[:, layer, SITES.index(site)]
+        view = self._score_views.get((layer, site))
+        if view is None:  # made once a site: the buffer is written in place only
+            view = self._score_views[(layer, site)] = self.scores[:, layer, SITES.index(site)]
+        return view
 
     def copy(self, num_tokens: int, num_seqs: int, fired: bool, scores: bool) -> dict:
         """Start copying this step's `fired[:num_tokens]` and `scores[:num_seqs]` (those

@@ -16,7 +16,9 @@ count is one past the highest column in use).
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
 
@@ -37,7 +39,7 @@ class RowPool:
 
     def __init__(self, start: int, size: int, share: bool):
         self.start, self.size, self.share = start, size, share
-        self.free = list(range(start + size - 1, start - 1, -1))  # pop() gives the lowest
+        self.free = list(range(start, start + size))  # a heap: the lowest row goes first
         self.refs: Counter[int] = Counter()
         self.by_digest: dict[bytes, int] = {}
         self.digest_of: dict[int, bytes] = {}
@@ -53,7 +55,7 @@ class RowPool:
         """A fresh row (None when the pool is full); the caller writes its content."""
         if not self.free:
             return None
-        row = self.free.pop()
+        row = heapq.heappop(self.free)
         self.refs[row] = 1
         if self.share:
             self.by_digest[digest] = row
@@ -72,8 +74,7 @@ class RowPool:
         d = self.digest_of.pop(row, None)
         if d is not None:
             del self.by_digest[d]
-        self.free.append(row)
-        self.free.sort(reverse=True)
+        heapq.heappush(self.free, row)
         return True
 
 
@@ -119,8 +120,14 @@ class SteeringTables:
         # How many installed things read each (layer, site): the kernel runs where > 0.
         self.site_use: Counter[SiteKey] = Counter()
         self.dynamic: dict[SiteKey, torch.Tensor] = {}  # host copies, for snapshots
-        self._pending: dict[int, RowContent] = {}  # rows written since the last `flush`
+        # Since the last `flush`: rows written, rows to zero (per site, in the vector and
+        # gate tables) and row scales set. The device sees them all at the flush.
+        self._pending: dict[int, RowContent] = {}
+        self._clear_vec: dict[str, set[int]] = {}
+        self._clear_gates: dict[str, set[int]] = {}
+        self._scales: dict[int, float] = {}
         self.monitors: dict[SiteKey, dict] = {}
+        self._site_args: dict[SiteKey, dict[str, torch.Tensor]] = {}
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, self.dtype, non_blocking=True)
@@ -152,12 +159,34 @@ class SteeringTables:
         self.set_row_scale(row, 1.0)
 
     def flush(self) -> None:
-        """Copy the rows written since the last flush to the device: per table and site,
-        one host→device copy of all of them and one scatter into their rows. Row by row, on
-        CUDA, each write page-locked a staging block of its own while the step in flight
-        held the last one: a few hundred µs a row, on the engine thread."""
-        if not self._pending:
-            return
+        """Bring the device up to date before a step reads the tables, in one launch or copy
+        per table and site rather than a few per row: zero the rows cleared since the last
+        flush, copy up the rows written since (all of them at once, then one scatter into
+        their rows), then set the row scales changed since. Row by row, on CUDA, each write
+        page-locked a staging block of its own while the step in flight held the last one
+        (a few hundred µs a row on the engine thread), and each clear launched two fills."""
+        for site, rows in self._clear_vec.items():
+            self.vec[site].index_fill_(1, self._index(rows), 0)
+        for site, rows in self._clear_gates.items():
+            self.gate_params[site].index_fill_(1, self._index(rows), 0)
+        self._clear_vec, self._clear_gates = {}, {}
+        if self._pending:
+            self._write_pending()
+        if self._scales:
+            scales, self._scales = self._scales, {}
+            values = torch.tensor(list(scales.values()), dtype=torch.float32)
+            if self.device.type == "cuda":
+                values = values.pin_memory().to(self.device, non_blocking=True)
+            self.row_scale.index_copy_(0, self._index(scales), values)
+
+    def _index(self, rows: Iterable[int]) -> torch.Tensor:
+        """Row numbers as an index tensor on the device, copied up without a wait."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        if self.device.type == "cuda":  # from pinned memory: no wait for the step in flight
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return index
+
+    def _write_pending(self) -> None:
         pending, self._pending = self._pending, {}
         L, H = self.num_layers, self.hidden_size
         vector_rows: dict[str, list[tuple[int, RowContent]]] = {}
@@ -198,27 +227,25 @@ class SteeringTables:
     def _scatter(self, table: torch.Tensor, rows: list[int], staged: torch.Tensor) -> None:
         """`table[:, rows[i]] = staged[i]` for a `[L, R, X]` table and `[n, L, X]` staged
         host rows: one copy up, one scatter."""
-        index = torch.tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":  # from pinned memory: no wait for the step in flight
             staged = staged.to(self.device, non_blocking=True)
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        table.index_copy_(1, index, staged.transpose(0, 1))
+        table.index_copy_(1, self._index(rows), staged.transpose(0, 1))
 
     def clear_row(self, row: int, content: RowContent) -> None:
-        """Zero the row at every site `content` wrote (one fill a site, all layers); a row
-        written since the last flush never reached the device, which still holds zeros."""
+        """Zero the row, at the next flush, at every site `content` wrote (every layer); a
+        row written since the last flush never reached the device, which still holds what
+        the row held before (zeros, or what a clear queued before that write zeroes)."""
         if self._pending.pop(row, None) is None:
             for site in {site for _, site in content.vectors}:
-                self.vec[site][:, row] = 0
+                self._clear_vec.setdefault(site, set()).add(row)
             for site in {site for _, site in content.gates}:
-                self.gate_params[site][:, row] = 0
+                self._clear_gates.setdefault(site, set()).add(row)
         self.site_use.subtract(content.sites())
         self.set_row_scale(row, 1.0)
 
     def set_row_scale(self, row: int, scale: float) -> None:
-        # A fill, not `row_scale[row] = scale`: assigning a number to one element of a CUDA
-        # tensor copies it up from pageable memory, which waits for the step in flight.
-        self.row_scale.narrow(0, row, 1).fill_(scale)
+        """The row's scale from the next flush on (`scale_of` reads it now)."""
+        self._scales[row] = scale
         if scale == 1.0:
             self._host_scale.pop(row, None)
         else:
@@ -314,7 +341,15 @@ class SteeringTables:
         return {k for k, n in self.site_use.items() if n > 0}
 
     def site_args(self, layer: int, site: str) -> dict[str, torch.Tensor]:
-        """The table views the fused op reads at (layer, site)."""
+        """The table views the fused op reads at (layer, site): made once a site (the tables
+        are written in place only, so a view stays theirs), not a dozen a launch."""
+        key = (layer, site)
+        args = self._site_args.get(key)
+        if args is None:
+            args = self._site_args[key] = self._make_site_args(layer, site)
+        return args
+
+    def _make_site_args(self, layer: int, site: str) -> dict[str, torch.Tensor]:
         return {
             "vec": self.vec[site][layer],
             "row_scale": self.row_scale,

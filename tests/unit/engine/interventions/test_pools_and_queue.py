@@ -35,6 +35,7 @@ def test_tables_track_which_sites_need_the_kernel():
     assert torch.equal(t.site_args(1, "post_attn")["vec"][3], torch.ones(4))
     t.clear_row(3, content)
     assert t.active_sites() == set()
+    t.flush()
     assert not t.vec["post_attn"].any()
 
 
@@ -80,4 +81,32 @@ def test_rows_written_between_steps_reach_the_tables_together_at_the_flush(dtype
     assert params == [1.0, 0.5, 3.0, 2.0, 1.0, 4.0, 0.0]
     assert not t.gate_params["post_attn"][:2].any() and t.site_use[(2, "post_attn")] == 1
     t.clear_row(3, a)
+    assert t.vec["post_block"][:, 3].any()  # zeroed at the next flush, with the others
+    t.flush()
     assert not t.vec["post_block"][:, 3].any() and not t.vec["pre_attn"].any()
+
+
+def test_a_row_cleared_and_written_again_before_a_flush_holds_the_new_content_alone():
+    """Between two steps a finished request's row may go back to the pool and be handed to
+    the next request: the flush zeroes what the old content had, then writes the new (and
+    the scales set since, the last one for each row)."""
+    L, H = 3, 4
+    t = SteeringTables(L, H, torch.device("cpu"), torch.float32, per_request_rows=2, dynamic_rows=0)
+    old = row_content({(0, "post_block"): torch.ones(H), (2, "pre_attn"): torch.ones(H)}, {})
+    new = row_content({(1, "post_block"): torch.full((H,), 2.0)}, {})
+    t.write_row(3, old)
+    t.flush()
+    t.set_row_scale(3, 0.5)
+    t.set_row_scale(4, 3.0)
+    t.flush()
+    assert t.row_scale[3:5].tolist() == [0.5, 3.0] and t.scale_of(3) == 0.5
+    t.clear_row(3, old)
+    t.write_row(3, new)
+    t.set_row_scale(4, 0.25)
+    assert t.scale_of(3) == 1.0 and t.row_scale[3] == 0.5  # the device is told at the flush
+    t.flush()
+    want = torch.zeros(L, t.num_rows, H)
+    want[1, 3] = 2.0
+    assert torch.equal(t.vec["post_block"], want) and not t.vec["pre_attn"].any()
+    assert t.row_scale[3:5].tolist() == [1.0, 0.25]
+    assert t.active_sites() == {(1, "post_block")}
