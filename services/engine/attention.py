@@ -80,9 +80,15 @@ class AttentionBackend(ABC):
         """Write k/v into the cache, then attend."""
 
 
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for the device's queue."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+def to_device_async(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device's queue: on CUDA copied up
+    from pinned memory (PyTorch's host allocator keeps the block until the copy has run).
+    `torch.tensor(values, device=cuda)` copies synchronously, so it waits for every step
+    queued, and a copy from pageable memory may wait too."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass
@@ -135,7 +141,7 @@ class SdpaBackend(AttentionBackend):
         qpos = [
             [first[j] + i if i < q_lens[r] else -1 for i in range(lq)] for j, r in enumerate(reqs)
         ]
-        as_tensor = functools.partial(_to_device, dtype=torch.long, device=device)
+        as_tensor = functools.partial(to_device_async, dtype=torch.long, device=device)
         fresh = len(reqs) == 1 and first[0] == 0
         gather = None
         if not fresh:
@@ -210,7 +216,7 @@ def _rows(indices: list[int], device: torch.device) -> slice | torch.Tensor:
     """A run of consecutive indices as a slice (a view, no copy), any others as a tensor."""
     if indices and indices == list(range(indices[0], indices[-1] + 1)):
         return slice(indices[0], indices[-1] + 1)
-    return _to_device(indices, torch.int64, device)
+    return to_device_async(indices, torch.int64, device)
 
 
 @dataclass
@@ -297,7 +303,7 @@ class TritonBackend(AttentionBackend):
             chunk_qsl = inputs.query_start_loc[bounds] - qsl[chunk_rows.start]
         else:
             offsets = [0, *itertools.accumulate(q_lens[r] for r in chunks)]
-            chunk_qsl = _to_device(offsets, torch.int32, device)
+            chunk_qsl = to_device_async(offsets, torch.int32, device)
         return _MixedStep(
             slot_mapping=inputs.slot_mapping,
             decode_tokens=_rows([qsl[r] for r in decodes], device) if decodes else None,

@@ -39,6 +39,7 @@ from services.engine.attention import (
     SdpaBackend,
     StepAttentionInputs,
     TritonBackend,
+    to_device_async,
 )
 from services.engine.interventions.planner import (
     STEER_PAD,
@@ -489,7 +490,7 @@ class ModelRunner:
             if entry.logits is not None:
                 logits = entry.logits[:n]
                 if len(sample_rows) < n:
-                    logits = logits[torch.tensor(sample_rows, device=self.device)]
+                    logits = logits[to_device_async(sample_rows, torch.long, self.device)]
         else:
             self.num_eager_steps += 1
             if interventions is not None:
@@ -501,7 +502,7 @@ class ModelRunner:
             if hidden is not None and sample_rows:
                 index = sb.dev["logits_rows"][:n]
                 if len(sample_rows) < n:
-                    index = index[torch.tensor(sample_rows, device=self.device)]
+                    index = index[to_device_async(sample_rows, torch.long, self.device)]
                 logits = self.model.compute_logits(hidden[index]).float()
         pending = PendingStep(n, sample_rows)
         graphed = bucket is not None
@@ -571,7 +572,7 @@ class ModelRunner:
         if iv.reads_fired and sample_rows and not (graphed and len(sample_rows) == num_seqs):
             index = self.batch.dev["logits_rows"][:num_seqs]
             if len(sample_rows) < num_seqs:
-                index = index[torch.tensor(sample_rows, device=self.device)]
+                index = index[to_device_async(sample_rows, torch.long, self.device)]
             rb.last_fired[: len(index)].copy_(rb.fired[index])
         pending.interventions = iv
         pending.readback = rb.copy(num_tokens, num_seqs, iv.reads_fired, iv.reads_scores)
