@@ -666,13 +666,18 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
     print()
     print(
         f"{'config':<26} {'gen tokens':>10} {'seconds':>8} {'tok/s':>9} {'overhead':>9}"
-        "  all runs (s)"
+        f" {'median':>8}  all runs (s)"
     )
+    plain_median = statistics.median(plain.all_seconds)
     for r in [*cox.values(), *hf.values()]:
         over = "-" if r is plain else f"{base / r.tokens_per_s - 1:+.1%}"
+        median = statistics.median(r.all_seconds)
+        ours = r.config in cox  # HF's rows: against HF's own unsteered run, below
+        over_median = f"{median / plain_median - 1:+.1%}" if ours and r is not plain else "-"
         line = (
             f"{r.config:<26} {r.generated_tokens:>10} {r.seconds:>8.2f} "
-            f"{r.tokens_per_s:>9.1f} {over:>9}  " + " ".join(f"{s:.2f}" for s in r.all_seconds)
+            f"{r.tokens_per_s:>9.1f} {over:>9} {over_median:>8}  "
+            + " ".join(f"{s:.2f}" for s in r.all_seconds)
         )
         if r.config == hf_name:  # HF's own hook overhead too
             own = hf["hf unsteered"].tokens_per_s / r.tokens_per_s - 1
@@ -680,7 +685,9 @@ def bench(args: argparse.Namespace, model_dir: Path) -> None:
         print(line)
     print(
         "overhead: extra wall time per generated token against coxswain unsteered (its "
-        f"tok/s / this tok/s - 1); each row is the fastest of {args.repeats} timed runs"
+        f"tok/s / this tok/s - 1); each row is the fastest of {args.repeats} timed runs; "
+        "median: the same from each config's median run (the passes go round-robin, so a "
+        "slow spell of a shared host moves every config's median alike)"
     )
     if waits:
         print(f"coxswain: {waits} admissions waited for a free steering row")
