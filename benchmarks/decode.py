@@ -20,6 +20,7 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
     choice for a one-row GEMM (no split-K reduce kernel?) beats cuBLAS's at small batch;
   - fa: `EngineConfig.fused_decode_attention` (a decode layer's norms, RoPE, cache write,
     attention and merge in one kernel);
+  - gemv: `EngineConfig.gemv` (CUDA: one-row Linears on `kernels/gemv.py`);
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -230,8 +231,8 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
 
 
 # The one-process engine's options (`coxswain-OPTS`, `+`-joined): `EngineConfig.skinny_gemm`,
-# cuBLASLt, `EngineConfig.fused_decode_attention`.
-ENGINE_OPTIONS = ("skinny", "lt", "fa")
+# cuBLASLt, `EngineConfig.fused_decode_attention`, `EngineConfig.gemv`.
+ENGINE_OPTIONS = ("skinny", "lt", "fa", "gemv")
 
 
 def engine_options(system: str) -> set[str] | None:
@@ -357,7 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead of --tp/--pp: several replicas in turn, as TPxPP (e.g. 2x1,1x2); a "
         "trailing f (2x1f) turns EngineConfig.fused_all_reduce_norm on for that one and a "
         "trailing u (2x1u) off (neither: its default, on at TP=2), a trailing m (1x2m) "
-        "EngineConfig.pipeline_microbatches=2, a trailing s (2x1s) EngineConfig.skinny_gemm",
+        "EngineConfig.pipeline_microbatches=2, a trailing s (2x1s) EngineConfig.skinny_gemm, "
+        "a trailing g (2x1g) EngineConfig.gemv",
     )
     p.add_argument(
         "--interventions",
@@ -449,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
             engine_config,
             skinny_gemm="skinny" in options,
             fused_decode_attention="fa" in options,
+            gemv="gemv" in options,
         )
         with blas_library("cublaslt" if "lt" in options else None):
             engine = LLMEngine(args.model, config)
@@ -472,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.parallel:  # 2x1; 2x1f/2x1u: fused_all_reduce_norm on/off; 1x2m: microbatches;
         shapes = []  # 2x1s: skinny_gemm
         for spec in args.parallel.split(","):
-            dims = spec.rstrip("fums")
+            dims = spec.rstrip("fumsg")
             shapes.append((*(int(n) for n in dims.split("x")), spec[len(dims) :]))
     replicas = []
     for tp, pp, flags in shapes:
@@ -498,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
                 fused_all_reduce_norm=True if "f" in flags else False if "u" in flags else None,
                 pipeline_microbatches=2 if "m" in flags else 1,
                 skinny_gemm="s" in flags,
+                gemv="g" in flags,
             ),
             device_type=device.type,
         )

@@ -118,6 +118,11 @@ class EngineConfig:
     # time, and its step far more than that (what the GPU waits for is still open:
     # benchmarks/README.md). It stays off.
     skinny_gemm: bool = False
+    # CUDA: a Linear of one row (the batch-1 decode step's, the LM head's included) runs a
+    # matrix-vector kernel (kernels/gemv.py) instead of cuBLAS's GEMM tiles. On one H200 it
+    # read every decode shape's weights faster than cuBLAS (1.0-1.2x on the Llama-3-8B
+    # shape's, up to 3.6x on the Qwen3-0.6B shape's o_proj, which cuBLAS runs as split-K).
+    gemv: bool = False
     # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
     # RoPE and the K/V cache write happen in the attention kernel's programs, and the last
     # split of each request x KV head to finish merges the splits

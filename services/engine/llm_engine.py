@@ -92,6 +92,9 @@ class LLMEngine:
         skinny = cfg.skinny_gemm and self.device.type == "cuda"
         if cfg.skinny_gemm and not skinny:
             log.warning("skinny_gemm applies to CUDA devices: not used on %s", self.device)
+        gemv = cfg.gemv and self.device.type == "cuda"
+        if cfg.gemv and not gemv:
+            log.warning("gemv applies to CUDA devices: not used on %s", self.device)
         self.runner = ModelRunner(
             self.model_dir,
             self.model_config,
@@ -116,6 +119,7 @@ class LLMEngine:
             else None,
             steps_in_flight=self.microbatches,
             skinny_gemm=skinny,
+            gemv=gemv,
         )
         self.adapters = self.runner.adapters
         num_blocks = num_kv_blocks(

@@ -99,11 +99,13 @@ class ModelRunner:
         adapters: AdapterBank | None = None,
         steps_in_flight: int = 1,
         skinny_gemm: bool = False,
+        gemv: bool = False,
     ):
         """`adapters`: the bank whose target Linears this runner's model wraps;
         `steps_in_flight`: how many launched steps the engine leaves unaccepted (one, or a
         pipeline's microbatches), so how far back a placeholder's token was sampled;
-        `skinny_gemm`: `EngineConfig.skinny_gemm` (CUDA)."""
+        `skinny_gemm`: `EngineConfig.skinny_gemm` (CUDA); `gemv`: `EngineConfig.gemv`
+        (CUDA)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -130,6 +132,8 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         load_weights(self.model, model_dir)
         self.model.eval()
+        if gemv:
+            self.model.use_gemv()
         self.adapters = adapters
         if adapters is not None:
             adapters.attach(self.model)

@@ -121,6 +121,28 @@ def test_skinny_gemm_gives_cublas_tokens_and_logprobs_float32(
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gemv_gives_cublas_tokens_and_logprobs(tiny_checkpoint, arch):
+    """`gemv`: one-row Linears (the batch-1 decode steps this staggered run reaches as its
+    requests finish, in and out of graphs, and their LM head) run the GEMV kernel. Float32:
+    cuBLAS's tokens, logprobs within float32 rounding of the sums' other order; bf16: no
+    further from float32 than cuBLAS's path is. The kernel is seen running."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    path = tiny_checkpoint(arch, hidden=512, intermediate=1024)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ours, stats = _run(path, "float32", False, params, gemv=True)
+    assert stats["num_graph_steps"] > 10
+    ran = {e.key: e.count for e in prof.key_averages() if "_gemv_kernel" in e.key}
+    assert ran, "gemv=True but its kernel never ran"
+    cublas, _ = _run(path, "float32", False, params)
+    _assert_same(ours, cublas, rel=1e-5)
+    params = dataclasses.replace(params, logprobs=1)
+    fast, _ = _run(path, "bfloat16", False, params, gemv=True)
+    plain, _ = _run(path, "bfloat16", False, params)
+    exact, _ = _run(path, "float32", False, params)
+    assert _gap(fast, exact, 24) <= max(0.05, 2 * _gap(plain, exact, 24))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_one_kernel_decode_attention_gives_three_kernels_tokens_float32(tiny_checkpoint, arch):
     """`fused_decode_attention`: a decode layer's norms, RoPE, cache write, attention and
     merge are one kernel (in and out of graphs, across every bucket the staggered batch

@@ -15,6 +15,7 @@ from services.engine.kernels.decode_attention import (
     prefill_attention_reference,
     prefill_attention_triton,
 )
+from services.engine.kernels.gemv import gemv_reference, gemv_triton
 from services.engine.kernels.norm_rope import (
     rms_norm_reference,
     rms_norm_triton,
@@ -306,6 +307,29 @@ def test_silu_mul_matches_reference(dtype, shape):
     torch.testing.assert_close(
         silu_mul_triton(strided), silu_mul_reference(strided), atol=tol, rtol=tol
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "k,n,bias",
+    [
+        (1024, 4096, False),  # Qwen3-0.6B's qkv at batch 1
+        (2048, 1024, False),  # its o_proj: K tiles of 1,024
+        (1024, 151936, False),  # its LM head
+        (4096, 3072, True),  # Llama-3-8B's qkv on one of two TP ranks, with a bias
+        (7168, 4096, False),  # its down projection on one of two ranks
+        (896, 4864 + 3, True),  # ragged: K not a multiple of the tile, N of the row block
+    ],
+)
+def test_gemv_matches_reference(dtype, k, n, bias):
+    """The one-row Linear against the float32 reference, rounded once to the input's dtype."""
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    got = gemv_triton(x, w, b)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), gemv_reference(x, w, b).float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

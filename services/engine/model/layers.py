@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import CheckpointError
+from services.engine.kernels import gemv
 from services.engine.kernels.norm_rope import rms_norm, rotary
 from services.engine.kernels.skinny_gemm import skinny_linear, takes
 from services.engine.kernels.tickets import Tickets
@@ -45,7 +46,8 @@ class ColumnParallelLinear(nn.Module):
 
     `skinny`: decode-size batches (`kernels/skinny_gemm.py`'s `takes`) run that kernel
     instead of cuBLAS (`EngineConfig.skinny_gemm`), split over K where the model gives it
-    `tickets` (`kernels/tickets.py`)."""
+    `tickets` (`kernels/tickets.py`). `gemv` (set by the model, `EngineConfig.gemv`): a
+    one-row input runs `kernels/gemv.py`."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.skinny = skinny
+        self.gemv = False
         self.tickets: Tickets | None = None  # the model's, for the split-K skinny kernel
         self.out_per_rank = _divide(out_features, ctx.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
@@ -77,6 +80,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny and takes(x):
             return skinny_linear(x, self.weight, self.bias, tickets=self.tickets)
+        if self.gemv:
+            return gemv.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -119,7 +124,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ + b with W's input columns split across TP ranks; partial sums all-reduced.
-    `skinny`: as `ColumnParallelLinear`'s."""
+    `skinny`, `gemv`: as `ColumnParallelLinear`'s."""
 
     def __init__(
         self,
@@ -132,6 +137,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.skinny = skinny
+        self.gemv = False
         self.tickets: Tickets | None = None  # as ColumnParallelLinear's
         self.in_per_rank = _divide(in_features, ctx.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
@@ -153,6 +159,8 @@ class RowParallelLinear(nn.Module):
         fused all-reduce + norm, `ParallelContext.all_reduce_add_norm`; no bias then)."""
         if self.skinny and takes(x):
             y = skinny_linear(x, self.weight, tickets=self.tickets)
+        elif self.gemv:
+            y = gemv.linear(x, self.weight)
         else:
             y = F.linear(x, self.weight)
         if not reduce:
@@ -196,9 +204,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden: int, ctx: ParallelContext):
         super().__init__(vocab_size, hidden, ctx)
         self.vocab_size = vocab_size
+        self.gemv = False  # as ColumnParallelLinear's
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        logits = self.ctx.all_gather_last_dim(F.linear(h, self.weight))
+        y = gemv.linear(h, self.weight) if self.gemv else F.linear(h, self.weight)
+        logits = self.ctx.all_gather_last_dim(y)
         return logits[:, : self.vocab_size]
 
 

@@ -358,5 +358,13 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         return self.lm_head(h)
 
+    def use_gemv(self) -> int:
+        """Run one-row inputs of every Linear (the decoder's and the LM head) on
+        `kernels/gemv.py` (`EngineConfig.gemv`); returns how many modules now do."""
+        modules = [m for m in self.modules() if hasattr(m, "gemv")]
+        for m in modules:
+            m.gemv = True
+        return len(modules)
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers.values()]

@@ -1,0 +1,125 @@
+"""A Linear of one row: `y = x Wᵀ (+ b)` for `x` of shape `[1, K]`, the batch-1 decode step.
+
+At one row a Linear is a matrix-vector product bound by reading `W`. cuBLAS runs it as a
+GEMM tile: on one H200 (bf16, weights streamed from HBM, in a CUDA graph) it read the
+Qwen3-0.6B shape's o_proj (`N = 1024, K = 2048`) at 324 GB/s and its down projection at 850,
+as split-K with a second kernel summing the splits, and the Llama-3-8B shape's at 2.3–3.8
+TB/s. Here each program owns `BLOCK_N` rows of `W` and walks all of `K` in tiles of
+`BLOCK_K`, keeping a `[BLOCK_N, BLOCK_K]` float32 accumulator it reduces once at the end;
+nothing is split, so nothing is summed by another launch. On the same GPU it was faster than
+cuBLAS at every decode shape measured: 1.0–1.2× on the 8B shape's (one GPU and a TP=2
+rank's), 1.1–1.2× on the 0.6B shape's qkv and gate-up, 1.7× and 3.6× on its down and o
+projections (`benchmarks/README.md`, "Batch 1: a GEMV kernel"; `benchmarks/gemv_sweep.py`).
+
+`EngineConfig.gemv` routes one-row CUDA Linears of the decoder and the LM head here;
+anything else (more rows, CPU) keeps `F.linear`. Off by default until the engine's rows
+have been measured on a GPU.
+"""
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference serves every call
+    triton = None
+
+from services.engine.kernels.steer import INTERPRET
+
+BLOCK_N = 4  # rows of W a program owns: 768–7,168 programs at the shapes measured
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """`x Wᵀ + b` in float32, rounded once to x's dtype ([1, K] @ [N, K]ᵀ -> [1, N])."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        N,
+        K,
+        stride_w,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            # Each weight is read once: leave L2 to what is read again (x, the KV cache).
+            w = tl.load(
+                rows + k[None, :],
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def block_k(n: int) -> int:
+    """K per tile: 1,024 for a narrow W (fewer programs, each with more in flight), else
+    512; the best tiles of the sweep (`benchmarks/README.md`) were these."""
+    return 1024 if n <= 2048 else 512
+
+
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`gemv_reference` as one Triton launch (`x` [1, K] contiguous, `weight` [N, K] with
+    unit stride along K)."""
+    assert x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous(), x.shape
+    n, k = weight.shape
+    assert x.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
+    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+        x,
+        weight,
+        bias if bias is not None else weight,  # unread without HAS_BIAS
+        y,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k(n),
+        num_warps=8,
+    )
+    return y
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether the kernel takes this Linear's input: one contiguous row on CUDA (or under
+    TRITON_INTERPRET=1)."""
+    return (
+        triton is not None
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.is_contiguous()
+        and (x.is_cuda or INTERPRET)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """`F.linear`, with a one-row input on the GEMV kernel (`takes`)."""
+    if takes(x):
+        return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,96 @@
+"""The one-row Linear (`kernels/gemv.py`): the reference against `F.linear`, and the Triton
+kernel against the reference under TRITON_INTERPRET=1, in a fresh process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.kernels import gemv
+from tests.interpreted import INTERPRETED, assert_passes_interpreted
+
+
+def _case(n: int, k: int, bias: bool, dtype=torch.float32):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def test_the_reference_is_f_linear():
+    x, w, b = _case(9, 33, bias=True)
+    want = F.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(gemv.gemv_reference(x, w, b), want, rtol=1e-5, atol=1e-5)
+    bf16 = _case(9, 33, bias=False, dtype=torch.bfloat16)
+    assert gemv.gemv_reference(*bf16).dtype == torch.bfloat16  # rounded once, to x's dtype
+
+
+def test_only_one_contiguous_row_is_taken():
+    x = torch.randn(2, 8)
+    assert not gemv.takes(x) and not gemv.takes(x[:1, ::2])
+    assert not gemv.takes(torch.randn(8))  # a Linear's input is [rows, K]
+    # Anything the kernel does not take is F.linear's: the same numbers bit for bit.
+    w = torch.randn(5, 8)
+    assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already interpreting: the kernel tests run here")
+def test_triton_under_interpreter():
+    pytest.importorskip("triton")
+    assert_passes_interpreted(__file__, "triton and not under_interpreter")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "n,k,bias",
+    [
+        (6, 40, False),  # a partial block of rows and a partial K tile
+        (13, 1100, True),  # narrow W: K tiles of 1,024, the second one partial
+        (2050, 520, False),  # wide W: K tiles of 512, ragged row blocks
+    ],
+)
+def test_triton_matches_the_reference(n, k, bias):
+    x, w, b = _case(n, k, bias)
+    assert gemv.takes(x)
+    got = gemv.gemv_triton(x, w, b)
+    want = gemv.gemv_reference(x, w, b)
+    assert got.shape == (1, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # A view of W's rows (a TP shard, say) reads with its own stride.
+    wide = torch.cat([w, torch.randn(n, 8)], dim=1)[:, :k]
+    torch.testing.assert_close(gemv.gemv_triton(x, wide, b), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+def test_triton_linears_with_gemv_on_route_one_row_to_the_kernel(monkeypatch):
+    """`gemv` on a Linear (what `use_gemv` sets): a one-row input runs the kernel in the
+    column- and row-parallel Linears (the latter's unreduced partial too) and the LM head,
+    with the same numbers as F.linear; more rows keep F.linear."""
+    from services.engine.model.layers import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        RowParallelLinear,
+    )
+    from services.engine.parallel import ParallelContext
+
+    ctx = ParallelContext()
+    col = ColumnParallelLinear(40, 24, bias=True, ctx=ctx)
+    row = RowParallelLinear(40, 24, bias=False, ctx=ctx)
+    head = ParallelLMHead(30, 40, ctx)
+    g = torch.Generator().manual_seed(0)
+    for p in [*col.parameters(), *row.parameters(), *head.parameters()]:
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    calls = []
+    real = gemv.gemv_triton
+    monkeypatch.setattr(gemv, "gemv_triton", lambda *a: calls.append(a[1].shape) or real(*a))
+    x, xs = torch.randn(1, 40, generator=g), torch.randn(3, 40, generator=g)
+    for m in (col, row, head):
+        m.gemv = True
+    close = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(col(x), F.linear(x, col.weight, col.bias), **close)
+    torch.testing.assert_close(row(x, reduce=False), F.linear(x, row.weight), **close)
+    torch.testing.assert_close(head(x), F.linear(x, head.weight), **close)
+    assert calls == [col.weight.shape, row.weight.shape, head.weight.shape]
+    assert torch.equal(col(xs), F.linear(xs, col.weight, col.bias)) and len(calls) == 3
