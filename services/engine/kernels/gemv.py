@@ -108,13 +108,14 @@ def gemv_triton(
 
 def takes(x: torch.Tensor) -> bool:
     """Whether the kernel takes this Linear's input: one contiguous row on CUDA (or under
-    TRITON_INTERPRET=1)."""
+    TRITON_INTERPRET=1), with no gradient to carry (the kernel has no backward)."""
     return (
         triton is not None
         and x.dim() == 2
         and x.shape[0] == 1
         and x.is_contiguous()
         and (x.is_cuda or INTERPRET)
+        and not (x.requires_grad and torch.is_grad_enabled())
     )
 
 

@@ -31,6 +31,7 @@ def test_only_one_contiguous_row_is_taken():
     x = torch.randn(2, 8)
     assert not gemv.takes(x) and not gemv.takes(x[:1, ::2])
     assert not gemv.takes(torch.randn(8))  # a Linear's input is [rows, K]
+    assert not gemv.takes(torch.randn(1, 8, requires_grad=True))  # no backward
     # Anything the kernel does not take is F.linear's: the same numbers bit for bit.
     w = torch.randn(5, 8)
     assert torch.equal(gemv.linear(x, w), F.linear(x, w))
