@@ -25,17 +25,16 @@ try:
 except ImportError:  # CPU-only installs: the reference serves every call
     triton = None
 
+from services.engine.kernels.skinny_gemm import skinny_linear_reference
 from services.engine.kernels.steer import INTERPRET
 
 BLOCK_N = 4  # rows of W a program owns: 768–7,168 programs at the shapes measured
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """`x Wᵀ + b` in float32, rounded once to x's dtype ([1, K] @ [N, K]ᵀ -> [1, N])."""
-    y = x.float() @ weight.float().T
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    """`x Wᵀ + b` in float32, rounded once to x's dtype ([1, K] @ [N, K]ᵀ -> [1, N]): the
+    skinny kernel's reference, ungated."""
+    return skinny_linear_reference(x, weight, bias)
 
 
 if triton is not None:
