@@ -567,11 +567,12 @@ class ModelRunner:
         """Keep the gate bits each sampled row fired for the next step's latch carry (the
         intervened graph does it itself when every row samples), and start copying what
         the host reads of this step: fired bits, read-out scores (behind the sampled ids,
-        one event covering both), and the capture block."""
+        one event covering them), the eager captures, and the capture block."""
         rb = self.readback
         assert rb is not None
         capture = iv.capture_block and self.copies_captures
-        if not (iv.reads_fired or iv.reads_scores or capture):
+        eager = bool(iv.captured) and self.copies_captures
+        if not (iv.reads_fired or iv.reads_scores or capture or eager):
             return  # steering alone: nothing to read back
         if iv.reads_fired and sample_rows and not (graphed and len(sample_rows) == num_seqs):
             index = self.batch.dev["logits_rows"][:num_seqs]
@@ -580,6 +581,8 @@ class ModelRunner:
             rb.last_fired[: len(index)].copy_(rb.fired[index])
         pending.interventions = iv
         pending.readback = rb.copy(num_tokens, num_seqs, iv.reads_fired, iv.reads_scores)
+        if eager:
+            pending.readback["eager_captures"] = rb.copy_eager(iv.captured)
         if self.device.type == "cuda":  # `result()` waits for these copies too
             pending.copied = torch.cuda.Event()
             pending.copied.record()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class PendingStep:
         self.prompt_logprobs: list[tuple[int, list[dict[int, float]]] | None] = [None] * num_seqs
         # The step's interventions and the host copies of what the fused op wrote for them.
         self.interventions: StepInterventions | None = None
-        self.readback: dict[str, torch.Tensor] = {}
+        self.readback: dict[str, Any] = {}  # `Readback` copies, by what they are
         # What must be queued before the step counts as done (a first pipeline stage's
         # receive of the step's tokens from the last stage, if no later launch took them).
         self.settle: Callable[[], None] | None = None

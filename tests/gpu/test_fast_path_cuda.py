@@ -326,6 +326,42 @@ def test_prefill_chunks_beside_decodes_make_no_host_sync(tiny_checkpoint):
     assert engine.stats()["num_eager_steps"] - eager >= 6  # the mixed steps ran under the check
 
 
+def test_eager_captures_make_no_host_sync(tiny_checkpoint):
+    """Captures past the capture block (every prompt position, with a block of 4 rows) come
+    home with their step: one copy of every site's rows into pinned memory, behind the
+    step. Site by site `.cpu()` waited for the device once a site, each time for the step
+    launched after it. Not yet run on a GPU (written after the session's device time)."""
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", graph_capture_rows=4)
+    engine = LLMEngine(tiny_checkpoint("qwen3"), cfg)
+    layers = engine.model_config.num_layers
+    capture = {"sites": {"post_block": "all", "pre_attn": [1]}, "positions": "all_prompt"}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, capture=capture)
+
+    def wave(tag: str) -> list[str]:
+        ids = [f"{tag}{i}" for i in range(len(_prompts()))]
+        for rid, p in zip(ids, _prompts(), strict=True):
+            engine.add_request(rid, p, params)
+        return ids
+
+    wave("warm")
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = engine.interventions.observer.num_eager_captures
+    totals, outs = OutputAccumulator(), {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids = wave("r")
+        while engine.has_unfinished_requests():
+            for out in totals.finished(engine.step()):
+                outs[out.request_id] = out
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.interventions.observer.num_eager_captures - before == sum(PROMPT_LENS)
+    for rid, n in zip(ids, PROMPT_LENS, strict=True):
+        assert outs[rid].capture_positions == list(range(n))
+        assert len(outs[rid].captures) == layers + 1
+
+
 def test_staggered_greedy_matches_between_graphs_and_eager(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

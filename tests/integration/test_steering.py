@@ -234,6 +234,45 @@ def test_captures_match_transformers_hidden_states(path):
         )
 
 
+def test_captures_past_the_block_are_copied_back_by_their_step(path, hidden):
+    """A step whose captures outgrow the capture block (a prompt's every position, here
+    with a block of 4 rows) copies them eagerly: one copy of every site's rows, which the
+    step's own result brings home (`Readback.copy_eager`), not one per site in the
+    observer. Two prompts in one step, with different sites: the rows are the ones the
+    block path gives, and transformers' residuals."""
+    capture = {"sites": {"post_block": [0, 2], "pre_attn": [1]}, "positions": "all_prompt"}
+    other = {"sites": {"post_attn": [2]}, "positions": "all_prompt"}
+    requests = {
+        "a": (_prompt(11), _params(capture=capture)),
+        "b": (_prompt(12, 9), _params(capture=other)),
+    }
+    engine = _engine(path, graph_capture_rows=4)
+    seen = []
+    collect = engine.runner.readback.copy_eager
+
+    def copy_eager(captured):
+        seen.append(sorted(captured))
+        return collect(captured)
+
+    engine.runner.readback.copy_eager = copy_eager
+    eager = _run(engine, requests)
+    assert seen and engine.interventions.observer.num_eager_captures == 19 + 9
+    assert sorted(seen[0]) == [(0, "post_block"), (1, "pre_attn"), (2, "post_attn"),
+                               (2, "post_block")]  # fmt: skip
+    block = _run(_engine(path), requests)  # the default block holds them
+    for rid, (prompt, _) in requests.items():
+        keys = sorted(eager[rid].captures)
+        assert keys == sorted(block[rid].captures) and eager[rid].capture_positions == list(
+            range(len(prompt))
+        )
+        ref = hf_residuals(path, prompt, [(int(k.split(".")[0]), k.split(".")[1]) for k in keys])
+        for k in keys:
+            got = eager[rid].captures[k]
+            torch.testing.assert_close(got, block[rid].captures[k], atol=1e-5, rtol=1e-5)
+            L, site = k.split(".")
+            torch.testing.assert_close(got, ref[(int(L), site)], atol=1e-4, rtol=1e-4)
+
+
 def test_captures_are_pristine_under_steering_at_the_same_site(path, hidden):
     prompt, v = _prompt(6), _vec(6, hidden)
     spec = {"vectors": [{"site": "post_block", "layers": [1], "vector": v.tolist()}]}

@@ -115,14 +115,18 @@ class StepObserver:
         """The step's eager copies, per (layer, site), to the sink; a request that finished
         while this step was in flight (overlapped) gets nothing more."""
         done = {s.seq.group.request_id for s in sched.scheduled if s.seq.is_finished}
+        landed = step.captured_host or {}  # copied back by the step (`Readback.copy_eager`)
         for key, rows in step.captured.items():
-            rows = rows.float().cpu()  # [sum of positions, H], in capture_meta's order
+            # [sum of positions, H] float32, in capture_meta's order
+            rows = landed[key] if key in landed else rows.float().cpu()
             name, at = site_key(*key), 0
             for request_id, positions in step.capture_meta[key]:
                 if request_id not in done:
                     self.sink.write(request_id, name, positions, rows[at : at + len(positions)])
                 at += len(positions)
-        self.num_eager_captures += sum(len(p) for _, p in next(iter(step.capture_meta.values())))
+        # positions captured, each request's once however many sites it captures
+        per_request = {rid: len(p) for meta in step.capture_meta.values() for rid, p in meta}
+        self.num_eager_captures += sum(per_request.values())
 
     def place_block(self, sched: SchedulerOutput, step: StepInterventions) -> None:
         """Before the step runs: where the device is to write its capture block's rows

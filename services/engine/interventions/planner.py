@@ -208,6 +208,26 @@ class Readback:
             host.copy_(src, non_blocking=True)
         return out
 
+    def copy_eager(
+        self, captured: dict[SiteKey, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[SiteKey, slice]]:
+        """Start copying a step's eager captures (`StepInterventions.captured`: per site the
+        rows it copied out, in the model's dtype) to the host as float32, behind the step:
+        one concatenation on the device and one copy into pinned memory, which the step's
+        event covers (on CPU, at once). Returns that block and each site's rows of it.
+        Site by site `.cpu()` copied each synchronously, so every capturing step waited,
+        once a site, for the step launched after it."""
+        flat = torch.cat(list(captured.values())).float()  # [rows of every site, H]
+        if self.on_cuda:
+            host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+        else:
+            host = flat
+        spans, at = {}, 0
+        for key, rows in captured.items():
+            spans[key], at = slice(at, at + len(rows)), at + len(rows)
+        return host, spans
+
     def copy_captures(
         self,
         num_rows: int,
@@ -387,6 +407,9 @@ class StepInterventions:
         self.fired: torch.Tensor | None = None
         self.scores: np.ndarray | None = None
         self.captured_block: CapturedBlock | None = None
+        # The eager captures (`captured`) on the host, float32, where the step copied them
+        # back itself (`Readback.copy_eager`); None: the observer copies them.
+        self.captured_host: dict[SiteKey, torch.Tensor] | None = None
 
     @property
     def reads_scores(self) -> bool:
@@ -402,6 +425,12 @@ class StepInterventions:
         scores = host.get("scores")
         self.scores = scores.numpy() if scores is not None else None
         self.captured_block = host.get("captures")
+        eager = host.get("eager_captures")
+        if eager is not None:
+            block, spans = eager
+            if block.is_pinned():  # the pinned block goes back: one copy out of it
+                block = block.clone()
+            self.captured_host = {key: block[at] for key, at in spans.items()}
 
     def probe_values(self) -> list[float]:
         """Every reader's probe scores, readers in order and each one's probes in order."""
