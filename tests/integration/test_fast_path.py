@@ -634,11 +634,13 @@ def test_a_failed_step_delivers_the_requests_awaiting_their_captures(model_dir, 
         cap = {"sites": {"post_block": "all"}, "positions": "all_generated"}
         short = SamplingParams(max_tokens=3, ignore_eos=True, capture=cap)
         long = SamplingParams(max_tokens=engine.max_model_len - 64, ignore_eos=True)
-        # queued by the engine thread between steps, in this order (`submit` could wait on
-        # the engine's lock until `plain` had run out)
+        # queued by the engine thread between steps (`submit` could wait on the engine's
+        # lock until `plain` had run out), `plain` first: an engine with only `captures`
+        # left, awaiting its held rows, would wait for them (up to the gate's 30 s) before
+        # it took `plain`, which a loaded host once let `captures` reach
         admitted = [
-            llm.admit("captures", PROMPTS[0], None, short, got["captures"].append),
             llm.admit("plain", PROMPTS[1], None, long, got["plain"].append),
+            llm.admit("captures", PROMPTS[0], None, short, got["captures"].append),
         ]
         for future in admitted:
             future.result(timeout=30)
