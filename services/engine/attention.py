@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.engine.host_memory import to_device_async
 from services.engine.kernels.decode_attention import (
     decode_attention,
     decode_rope_attention,
@@ -78,17 +79,6 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Write k/v into the cache, then attend."""
-
-
-def to_device_async(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for the device's queue: on CUDA copied up
-    from pinned memory (PyTorch's host allocator keeps the block until the copy has run).
-    `torch.tensor(values, device=cuda)` copies synchronously, so it waits for every step
-    queued, and a copy from pageable memory may wait too."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 @dataclass

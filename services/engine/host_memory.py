@@ -75,6 +75,17 @@ def _mapped(
     return t
 
 
+def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device's queue: on CUDA copied up
+    from pinned memory (PyTorch's host allocator keeps the block until the copy has run).
+    `torch.tensor(values, device=cuda)` copies synchronously, so it waits for every step
+    queued, and a copy from pageable memory may wait too."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def host_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     """`t[j, :n]` for each `j` of a `host_empty` tensor `t` of shape `[K, rows, ...]`, each
     on a storage of its own holding those rows alone: each is contiguous, and pickled (to

@@ -39,8 +39,8 @@ from services.engine.attention import (
     SdpaBackend,
     StepAttentionInputs,
     TritonBackend,
-    to_device_async,
 )
+from services.engine.host_memory import to_device_async
 from services.engine.interventions.planner import (
     STEER_PAD,
     Readback,

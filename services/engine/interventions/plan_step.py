@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.engine.host_memory import to_device_async
 from services.engine.interventions.planner import (
     SteerTokens,
     StepInterventions,
@@ -128,7 +129,7 @@ class StepPlanner:
             steer_tokens.capture_rows[[r for _, _, r in block]] = np.arange(len(block))
 
         def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+            return to_device_async(data, dtype, self.device)
 
         plan = StepInterventions(
             tables=self.tables,

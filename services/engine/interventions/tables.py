@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
+from services.engine.host_memory import to_device_async
 from services.engine.interventions.resolve import RowContent, SiteKey
 from services.engine.interventions.sites import SITES
 
@@ -174,17 +175,12 @@ class SteeringTables:
             self._write_pending()
         if self._scales:
             scales, self._scales = self._scales, {}
-            values = torch.tensor(list(scales.values()), dtype=torch.float32)
-            if self.device.type == "cuda":
-                values = values.pin_memory().to(self.device, non_blocking=True)
+            values = to_device_async(list(scales.values()), torch.float32, self.device)
             self.row_scale.index_copy_(0, self._index(scales), values)
 
     def _index(self, rows: Iterable[int]) -> torch.Tensor:
         """Row numbers as an index tensor on the device, copied up without a wait."""
-        index = torch.tensor(list(rows), dtype=torch.long)
-        if self.device.type == "cuda":  # from pinned memory: no wait for the step in flight
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        return index
+        return to_device_async(list(rows), torch.long, self.device)
 
     def _write_pending(self) -> None:
         pending, self._pending = self._pending, {}
