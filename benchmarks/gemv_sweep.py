@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import triton
+from skinny_gemm import timed
 
 from services.engine.kernels.gemv import BLOCK_N, _gemv_kernel, block_k, gemv_reference
 
@@ -49,24 +50,14 @@ def launch(x, w, y, bn: int, bk: int, warps: int, stages: int) -> None:
 
 
 def per_launch_us(fn, weights: list[torch.Tensor], reps: int = 40) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """µs a launch of `fn`: `reps` launches over the weights in turn, one CUDA graph replayed
+    (`skinny_gemm.timed`)."""
+
+    def step() -> None:
         for i in range(reps):
             fn(weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * reps) * 1e3
+
+    return timed(step, 5, torch.device("cuda")) / reps * 1e6
 
 
 def main() -> None:

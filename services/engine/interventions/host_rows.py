@@ -88,9 +88,7 @@ class PinnedRows:
                     start = self._take(n)
                 self.wait_s += time.monotonic() - began
         if start is not None:
-            lease = Lease()
-            weakref.finalize(lease, self._give_back, start, n)
-            return self._arena[start : start + n], lease
+            return self._leased(start, n)
         if self.num_misses == 0:
             log.warning(
                 "capture: %d host rows do not fit in the pinned reserve (%d of %d free); "
@@ -107,8 +105,10 @@ class PinnedRows:
         """A free run of `n` rows and its lease, or None (no waiting, no block of its own)."""
         with self._lock:
             start = self._take(n)
-        if start is None:
-            return None
+        return None if start is None else self._leased(start, n)
+
+    def _leased(self, start: int, n: int) -> tuple[torch.Tensor, Lease]:
+        """Rows `[start, start + n)`, taken, and the lease that gives them back."""
         lease = Lease()
         weakref.finalize(lease, self._give_back, start, n)
         return self._arena[start : start + n], lease

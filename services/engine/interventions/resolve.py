@@ -228,21 +228,10 @@ def digest(*parts: Any) -> bytes:
     return hashlib.blake2b(b"\x00".join(chunks) + b"\x00", digest_size=16).digest()
 
 
-class _KeysRepr:
-    """A row's sorted (layer, site) keys in its digest: their repr, made once for each set
-    of keys (a request steering 28 layers spent a tenth of its admission on it)."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self, keys: tuple[SiteKey, ...]):
-        self.keys = keys
-
-    def __repr__(self) -> str:
-        return _keys_repr(self.keys)
-
-
 @functools.lru_cache(maxsize=1024)
 def _keys_repr(keys: tuple[SiteKey, ...]) -> str:
+    """A row's sorted (layer, site) keys as its digest takes them, made once for each set of
+    keys (a request steering 28 layers spent a tenth of its admission on their repr)."""
     return repr(list(keys))
 
 
@@ -250,7 +239,7 @@ def row_content(vectors: dict[SiteKey, torch.Tensor], gates: dict[SiteKey, GateR
     if not vectors and not gates:
         return RowContent()
     keys = tuple(sorted(vectors))
-    parts: list[Any] = ["v", _KeysRepr(keys), *(vectors[key] for key in keys)]
+    parts: list[Any] = ["v", _keys_repr(keys), *(vectors[key] for key in keys)]
     for key in sorted(gates):
         g = gates[key]
         parts += ["g", key, g.probe, g.vector, g.threshold, g.sharpness, g.scale]
