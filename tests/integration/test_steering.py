@@ -268,7 +268,7 @@ def test_captures_past_the_block_are_copied_back_by_their_step(path, hidden):
         ref = hf_residuals(path, prompt, [(int(k.split(".")[0]), k.split(".")[1]) for k in keys])
         for k in keys:
             got = eager[rid].captures[k]
-            torch.testing.assert_close(got, block[rid].captures[k], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, block[rid].captures[k], atol=1e-4, rtol=1e-4)
             L, site = k.split(".")
             torch.testing.assert_close(got, ref[(int(L), site)], atol=1e-4, rtol=1e-4)
 
