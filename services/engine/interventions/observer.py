@@ -115,9 +115,12 @@ class StepObserver:
         """The step's eager copies, per (layer, site), to the sink; a request that finished
         while this step was in flight (overlapped) gets nothing more."""
         done = {s.seq.group.request_id for s in sched.scheduled if s.seq.is_finished}
-        landed = step.captured_host
-        assert landed is not None, "collect() gives every eagerly capturing step its rows"
-        for key, rows in landed.items():  # [sum of positions, H] float32, capture_meta's order
+        # This stage's rows the step copied back itself (`Readback.copy_eager`); a pipeline
+        # replica's driver also holds the other stages' rows (`StepSync`), on the host.
+        landed = step.captured_host or {}
+        for key, rows in step.captured.items():
+            # [sum of positions, H] float32, in capture_meta's order
+            rows = landed[key] if key in landed else rows.float().cpu()
             name, at = site_key(*key), 0
             for request_id, positions in step.capture_meta[key]:
                 if request_id not in done:
