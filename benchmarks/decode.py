@@ -20,7 +20,9 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
     choice for a one-row GEMM (no split-K reduce kernel?) beats cuBLAS's at small batch;
   - fa: `EngineConfig.fused_decode_attention` (a decode layer's norms, RoPE, cache write,
     attention and merge in one kernel);
-  - gemv: `EngineConfig.gemv` (CUDA: one-row Linears on `kernels/gemv.py`);
+  - gemv: `EngineConfig.gemv=True` (CUDA: every one-row Linear on `kernels/gemv.py`; the
+    default runs it only at the weight shapes it measures faster than cuBLAS at load);
+  - cublas: `EngineConfig.gemv=False` (every Linear on cuBLAS: the default's baseline);
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -231,8 +233,8 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
 
 
 # The one-process engine's options (`coxswain-OPTS`, `+`-joined): `EngineConfig.skinny_gemm`,
-# cuBLASLt, `EngineConfig.fused_decode_attention`, `EngineConfig.gemv`.
-ENGINE_OPTIONS = ("skinny", "lt", "fa", "gemv")
+# cuBLASLt, `EngineConfig.fused_decode_attention`, `EngineConfig.gemv` True or False.
+ENGINE_OPTIONS = ("skinny", "lt", "fa", "gemv", "cublas")
 
 
 def engine_options(system: str) -> set[str] | None:
@@ -359,7 +361,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "trailing f (2x1f) turns EngineConfig.fused_all_reduce_norm on for that one and a "
         "trailing u (2x1u) off (neither: its default, on at TP=2), a trailing m (1x2m) "
         "EngineConfig.pipeline_microbatches=2, a trailing s (2x1s) EngineConfig.skinny_gemm, "
-        "a trailing g (2x1g) EngineConfig.gemv",
+        "a trailing g (2x1g) EngineConfig.gemv=True and a trailing c (2x1c) False (neither: "
+        "its default, where it measures faster)",
     )
     p.add_argument(
         "--interventions",
@@ -451,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
             engine_config,
             skinny_gemm="skinny" in options,
             fused_decode_attention="fa" in options,
-            gemv="gemv" in options,
+            gemv=True if "gemv" in options else False if "cublas" in options else None,
         )
         with blas_library("cublaslt" if "lt" in options else None):
             engine = LLMEngine(args.model, config)
@@ -466,16 +469,17 @@ def main(argv: list[str] | None = None) -> None:
             stats = engine.stats()  # a fast path that fell back to eager steps shows here
             print(
                 f"{system}: {stats['num_graph_steps']} graph steps, "
-                f"{stats['num_eager_steps']} eager (prefills included), of {stats['num_steps']}"
+                f"{stats['num_eager_steps']} eager (prefills included), of {stats['num_steps']}; "
+                f"{stats['num_gemv_linears']} Linears on gemv"
             )
             del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
     shapes = [(args.tp, args.pp, "")]
     if args.parallel:  # 2x1; 2x1f/2x1u: fused_all_reduce_norm on/off; 1x2m: microbatches;
-        shapes = []  # 2x1s: skinny_gemm
+        shapes = []  # 2x1s: skinny_gemm; 2x1g/2x1c: gemv on/off
         for spec in args.parallel.split(","):
-            dims = spec.rstrip("fumsg")
+            dims = spec.rstrip("fumsgc")
             shapes.append((*(int(n) for n in dims.split("x")), spec[len(dims) :]))
     replicas = []
     for tp, pp, flags in shapes:
@@ -501,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
                 fused_all_reduce_norm=True if "f" in flags else False if "u" in flags else None,
                 pipeline_microbatches=2 if "m" in flags else 1,
                 skinny_gemm="s" in flags,
-                gemv="g" in flags,
+                gemv=True if "g" in flags else False if "c" in flags else None,
             ),
             device_type=device.type,
         )

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import triton
-from skinny_gemm import timed
 
 from services.engine.kernels.gemv import BLOCK_N, _gemv_kernel, block_k, gemv_reference
+from services.engine.kernels.timing import timed
 
 SHAPES = {  # name: (N, K) of W
     "llama3-8b tp2 qkv": (3072, 4096),
@@ -51,7 +51,7 @@ def launch(x, w, y, bn: int, bk: int, warps: int, stages: int) -> None:
 
 def per_launch_us(fn, weights: list[torch.Tensor], reps: int = 40) -> float:
     """µs a launch of `fn`: `reps` launches over the weights in turn, one CUDA graph replayed
-    (`skinny_gemm.timed`)."""
+    (`kernels/timing.py`)."""
 
     def step() -> None:
         for i in range(reps):

@@ -18,8 +18,8 @@
 #   tests-kernels  the Triton kernels' bf16 tests in tests/gpu, each variant compiled (1; 480 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      gemv_sweep.py (the one-row Linear against cuBLAS), then decode.py: ceiling,
-#               Coxswain, with fused_decode_attention, and with gemv; Qwen3-0.6B and
-#               Llama-3-8B, batch 1/8/32/128 (1; 360 s)
+#               Coxswain, on cuBLAS alone (gemv off), with gemv at every shape, and with
+#               fused_decode_attention; Qwen3-0.6B and Llama-3-8B, batch 1/8/32/128 (1; 360 s)
 #   profile     profile_decode.py's kernel table, host stages and host functions (plain, and
 #               with per-token capture), and the Llama-3-8B batch-256 step (1; 260 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)
@@ -27,9 +27,9 @@
 #               steering_overhead.py's capture rows at batch 32 and 128 (Qwen3-0.6B shape;
 #               128 also with --capture-arena-bytes 0, the drain's way) and at 128
 #               (Llama-3-8B shape), K = 1 (1; 460 s)
-#   tp          decode.py --parallel 2x1u,2x1,2x1g,1x2 on the Llama-3-8B shape (2; 300 s;
+#   tp          decode.py --parallel 2x1u,2x1,2x1c,1x2 on the Llama-3-8B shape (2; 300 s;
 #               2x1 fuses each all-reduce with its norm by default, 2x1u keeps them apart,
-#               2x1g adds gemv)
+#               2x1c turns gemv off)
 #   70b         decode.py, Llama-3-70B shape at TP=4 and TP=4 fused, steered and captured (4; 600 s)
 #   routing     only when named: the routing study's device headline, 8 runs a GPU
 #               (ROUTING_JOBS=N: N runs at once, over all the GPUs), resumed
@@ -186,7 +186,7 @@ run() {
         step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
         local d="$one python3 benchmarks/decode.py --batch-sizes 1,8,32,128"
-        d+=" --systems ceiling,coxswain,coxswain-fa,coxswain-gemv"
+        d+=" --systems ceiling,coxswain,coxswain-cublas,coxswain-gemv,coxswain-fa"
         step decode 1 "${ONE_GPU[decode]}" bash -c "$both" decode \
             "$one python3 benchmarks/gemv_sweep.py" "$d --shape qwen3-0.6b" \
             "$d --shape llama3-8b" ;;
@@ -219,7 +219,7 @@ run() {
             "$so $llama --num-seqs 128 --profile $(printf %q "$OUT/profile-capture")" ;;
     tp)
         step tp 2 300 python3 benchmarks/decode.py --shape llama3-8b --systems coxswain \
-            --batch-sizes 1,32,128 --parallel 2x1u,2x1,2x1g,1x2 ;;
+            --batch-sizes 1,32,128 --parallel 2x1u,2x1,2x1c,1x2 ;;
     70b)
         step 70b 4 600 python3 benchmarks/decode.py --shape llama3-70b --systems none \
             --parallel 4x1,4x1f --batch-sizes 1,32 --steps 32 --interventions ;;

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 from services.engine.kernels.skinny_gemm import MAX_ROWS, skinny_linear
 from services.engine.kernels.tickets import Tickets
+from services.engine.kernels.timing import timed
 
 SHAPES = {  # hidden, q + 2 kv columns of qkv, q width (o_proj's K), intermediate, layers
     "qwen3-0.6b": (1024, 4096, 2048, 3072, 28),
@@ -92,30 +92,6 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     err = (got.float() - want.float()).abs().max().item() / scale
     if err > 2e-2:
         raise SystemExit(f"{name}: output differs from cuBLAS's by {err:.3g} of its scale")
-
-
-def timed(step: Callable[[], None], iters: int, device: torch.device) -> float:
-    """Seconds per call of `step`: one CUDA graph of it replayed `iters` times (CUDA), or
-    eager calls (CPU)."""
-    step()  # compile and allocate outside any capture
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(iters):
-            step()
-        return (time.perf_counter() - t) / iters
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def profiled(step: Callable[[], None], path: Path) -> None:

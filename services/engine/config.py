@@ -119,10 +119,13 @@ class EngineConfig:
     # benchmarks/README.md). It stays off.
     skinny_gemm: bool = False
     # CUDA: a Linear of one row (the batch-1 decode step's, the LM head's included) runs a
-    # matrix-vector kernel (kernels/gemv.py) instead of cuBLAS's GEMM tiles. On one H200 it
-    # read every decode shape's weights faster than cuBLAS (1.0-1.2x on the Llama-3-8B
-    # shape's, up to 3.6x on the Qwen3-0.6B shape's o_proj, which cuBLAS runs as split-K).
-    gemv: bool = False
+    # matrix-vector kernel (kernels/gemv.py) instead of cuBLAS's GEMM tiles. None (the
+    # default): at the weight shapes where it measured faster than cuBLAS on this GPU when
+    # the model loaded (summed over the TP ranks, so they agree); True: at every shape;
+    # False: never. On one H200 it read most decode shapes' weights 1.1-1.2x faster than
+    # cuBLAS and the Qwen3-0.6B shape's o_proj 3.6x (cuBLAS runs it as split-K), and lost
+    # at two (0.90x): batch 1 on the Qwen3-0.6B shape went from 717 to 909 tok/s.
+    gemv: bool | None = None
     # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
     # RoPE and the K/V cache write happen in the attention kernel's programs, and the last
     # split of each request x KV head to finish merges the splits

@@ -92,7 +92,7 @@ class LLMEngine:
         skinny = cfg.skinny_gemm and self.device.type == "cuda"
         if cfg.skinny_gemm and not skinny:
             log.warning("skinny_gemm applies to CUDA devices: not used on %s", self.device)
-        gemv = cfg.gemv and self.device.type == "cuda"
+        gemv = cfg.gemv if self.device.type == "cuda" else False
         if cfg.gemv and not gemv:
             log.warning("gemv applies to CUDA devices: not used on %s", self.device)
         self.runner = ModelRunner(
@@ -667,6 +667,8 @@ class LLMEngine:
             "num_capture_graph_steps": self.runner.num_capture_graph_steps,
             "num_adapted_graph_steps": self.runner.num_adapted_graph_steps,
             "num_eager_steps": self.runner.num_eager_steps,
+            # Linears whose one-row inputs run kernels/gemv.py (EngineConfig.gemv)
+            "num_gemv_linears": len(self.runner.gemv_linears),
             "num_patch_passes": self.num_patch_passes,
             "num_patch_pass_tokens": self.num_patch_pass_tokens,
             # capture blocks larger than the pinned reserve (capture_host_rows), and steps

@@ -99,13 +99,13 @@ class ModelRunner:
         adapters: AdapterBank | None = None,
         steps_in_flight: int = 1,
         skinny_gemm: bool = False,
-        gemv: bool = False,
+        gemv: bool | None = False,
     ):
         """`adapters`: the bank whose target Linears this runner's model wraps;
         `steps_in_flight`: how many launched steps the engine leaves unaccepted (one, or a
         pipeline's microbatches), so how far back a placeholder's token was sampled;
         `skinny_gemm`: `EngineConfig.skinny_gemm` (CUDA); `gemv`: `EngineConfig.gemv`
-        (CUDA)."""
+        (CUDA; None: where it measures faster)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -132,8 +132,10 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         load_weights(self.model, model_dir)
         self.model.eval()
-        if gemv:
-            self.model.use_gemv()
+        # The Linears whose one-row inputs run the GEMV kernel (`EngineConfig.gemv`)
+        self.gemv_linears = [] if gemv is False else self.model.use_gemv(measured=gemv is None)
+        if self.gemv_linears:
+            log.info("gemv: %d one-row Linears run kernels/gemv.py", len(self.gemv_linears))
         self.adapters = adapters
         if adapters is not None:
             adapters.attach(self.model)

@@ -133,13 +133,35 @@ def test_gemv_gives_cublas_tokens_and_logprobs(tiny_checkpoint, arch):
     assert stats["num_graph_steps"] > 10
     ran = {e.key: e.count for e in prof.key_averages() if "_gemv_kernel" in e.key}
     assert ran, "gemv=True but its kernel never ran"
-    cublas, _ = _run(path, "float32", False, params)
+    assert stats["num_gemv_linears"] == 2 * 4 + 1  # qkv, o, gate-up, down a layer; the head
+    cublas, stats = _run(path, "float32", False, params, gemv=False)
+    assert stats["num_gemv_linears"] == 0
     _assert_same(ours, cublas, rel=1e-5)
     params = dataclasses.replace(params, logprobs=1)
     fast, _ = _run(path, "bfloat16", False, params, gemv=True)
-    plain, _ = _run(path, "bfloat16", False, params)
-    exact, _ = _run(path, "float32", False, params)
+    plain, _ = _run(path, "bfloat16", False, params, gemv=False)
+    exact, _ = _run(path, "float32", False, params, gemv=False)
     assert _gap(fast, exact, 24) <= max(0.05, 2 * _gap(plain, exact, 24))
+
+
+def test_gemv_by_default_runs_where_it_measured_faster(tiny_checkpoint):
+    """`gemv=None` (the default): the kernel runs for the Linears whose shapes it timed
+    faster than cuBLAS at load, which a second engine in the process keeps (the same
+    arithmetic: the same tokens and logprobs, to the bit); either way, cuBLAS's tokens and
+    logprobs within float32 rounding."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    path = tiny_checkpoint("llama", hidden=512, intermediate=1024)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        first, stats = _run(path, "float32", False, params)
+    picked = stats["num_gemv_linears"]
+    assert 0 <= picked <= 2 * 4 + 1
+    launches = sum(e.count for e in prof.key_averages() if "_gemv_kernel" in e.key)
+    assert (launches > 0) == (picked > 0)
+    again, stats = _run(path, "float32", False, params)
+    assert stats["num_gemv_linears"] == picked
+    _assert_same(again, first)
+    cublas, _ = _run(path, "float32", False, params, gemv=False)
+    _assert_same(first, cublas, rel=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -6,17 +6,24 @@ Qwen3-0.6B shape's o_proj (`N = 1024, K = 2048`) at 324 GB/s and its down projec
 as split-K with a second kernel summing the splits, and the Llama-3-8B shape's at 2.3–3.8
 TB/s. Here each program owns `BLOCK_N` rows of `W` and walks all of `K` in tiles of
 `BLOCK_K`, keeping a `[BLOCK_N, BLOCK_K]` float32 accumulator it reduces once at the end;
-nothing is split, so nothing is summed by another launch. On the same GPU it was faster than
-cuBLAS at every decode shape measured: 1.0–1.2× on the 8B shape's (one GPU and a TP=2
-rank's), 1.1–1.2× on the 0.6B shape's qkv and gate-up, 1.7× and 3.6× on its down and o
-projections (`benchmarks/README.md`, "Batch 1: a GEMV kernel"; `benchmarks/gemv_sweep.py`).
+nothing is split, so nothing is summed by another launch. On the same GPU it was 1.0–1.2×
+cuBLAS on the 8B shape's (one GPU and a TP=2 rank's), 1.1–1.2× on the 0.6B shape's qkv and
+gate-up, 1.5–1.7× and 3.6× on its down and o projections; a second sweep on another start
+had it lose at two shapes, 0.90× (`benchmarks/README.md`, "Batch 1: a GEMV kernel";
+`benchmarks/gemv_sweep.py`).
 
 `EngineConfig.gemv` routes one-row CUDA Linears of the decoder and the LM head here;
-anything else (more rows, CPU) keeps `F.linear`. Off by default until the engine's rows
-have been measured on a GPU.
+anything else (more rows, CPU) keeps `F.linear`. By default it does so only for the weight
+shapes at which the kernel measured faster than cuBLAS on this GPU when the model loaded
+(`faster_shapes`): which one wins at a shape changed between two starts of one GPU kind,
+so it is a measurement of the GPU, not a rule written here.
 """
 
+from collections import defaultdict
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
@@ -27,8 +34,12 @@ except ImportError:  # CPU-only installs: the reference serves every call
 
 from services.engine.kernels.skinny_gemm import skinny_linear_reference
 from services.engine.kernels.steer import INTERPRET
+from services.engine.kernels.timing import timed
 
 BLOCK_N = 4  # rows of W a program owns: 768–7,168 programs at the shapes measured
+# `faster_shapes` keeps cuBLAS unless the kernel takes at most this share of its time: a
+# tie, within the timing's noise, is not worth a second code path.
+MARGIN = 0.97
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -123,3 +134,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if takes(x):
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# `faster_shapes`' verdicts in this process, by (GPU, shape, dtype, weights of that shape):
+# a second engine of the same model picks the same kernels as the first, so two engines
+# compared in one process run the same arithmetic.
+_verdicts: dict[tuple, bool] = {}
+
+
+def faster_shapes(
+    weights: list[torch.Tensor], group: Any = None, iters: int = 10
+) -> set[tuple[int, int]]:
+    """The weight shapes `[N, K]` at which the kernel runs a one-row Linear in at most
+    `MARGIN` of cuBLAS's time on this GPU. Each shape is timed over every weight of that
+    shape (the model's own, a launch each, so they stream from memory as a decode step
+    reads them) as one CUDA graph, cuBLAS's launches and the kernel's. With `group` (a TP
+    group) each shape's times are summed over its ranks first, so every rank picks alike;
+    without one, a shape measured before in this process keeps its verdict."""
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
+    for w in weights:
+        by_shape[tuple(w.shape)].append(w)
+    device = weights[0].device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = {s: (gpu, s, ws[0].dtype, len(ws)) for s, ws in by_shape.items()}
+    shapes = sorted(s for s in by_shape if group is not None or key[s] not in _verdicts)
+    times = torch.zeros(len(shapes), 2, dtype=torch.float64)
+    for i, shape in enumerate(shapes):  # the same order on every rank, for the sum
+        ws = by_shape[shape]
+        x = torch.randn(1, shape[1], device=device, dtype=ws[0].dtype)
+        times[i, 0] = timed(lambda ws=ws, x=x: [F.linear(x, w) for w in ws], iters, device)
+        times[i, 1] = timed(lambda ws=ws, x=x: [gemv_triton(x, w) for w in ws], iters, device)
+    if group is not None:
+        summed = times.to(device)
+        dist.all_reduce(summed, group=group)
+        times = summed.cpu()
+    verdicts = {
+        s: ours <= MARGIN * cublas for s, (cublas, ours) in zip(shapes, times.tolist(), strict=True)
+    }
+    if group is None:
+        _verdicts.update({key[s]: v for s, v in verdicts.items()})
+    return {s for s in by_shape if verdicts.get(s, _verdicts.get(key[s]))}

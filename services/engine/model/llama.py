@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from services.engine.attention import AttentionBackend
+from services.engine.kernels import gemv
 from services.engine.kernels.norm_rope import qk_rope_cache, silu_mul
 from services.engine.kernels.skinny_gemm import skinny_linear, skinny_norm_linear, takes
 from services.engine.kernels.tickets import Tickets
@@ -358,13 +359,19 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         return self.lm_head(h)
 
-    def use_gemv(self) -> int:
-        """Run one-row inputs of every Linear (the decoder's and the LM head) on
-        `kernels/gemv.py` (`EngineConfig.gemv`); returns how many modules now do."""
-        modules = [m for m in self.modules() if hasattr(m, "gemv")]
-        for m in modules:
+    def use_gemv(self, measured: bool = False) -> list[str]:
+        """Run one-row inputs of the Linears (the decoder's and the LM head) on
+        `kernels/gemv.py` (`EngineConfig.gemv`): every one, or with `measured` those whose
+        weight shape the kernel reads faster than cuBLAS on this GPU (`faster_shapes`, the
+        same on every TP rank). Returns the names of the modules that now do."""
+        modules = {name: m for name, m in self.named_modules() if hasattr(m, "gemv")}
+        if measured and modules:
+            group = self.ctx.tp_group if self.ctx.tp_size > 1 else None
+            faster = gemv.faster_shapes([m.weight for m in modules.values()], group)
+            modules = {n: m for n, m in modules.items() if tuple(m.weight.shape) in faster}
+        for m in modules.values():
             m.gemv = True
-        return len(modules)
+        return list(modules)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers.values()]

@@ -95,3 +95,26 @@ def test_triton_linears_with_gemv_on_route_one_row_to_the_kernel(monkeypatch):
     torch.testing.assert_close(head(x), F.linear(x, head.weight), **close)
     assert calls == [col.weight.shape, row.weight.shape, head.weight.shape]
     assert torch.equal(col(xs), F.linear(xs, col.weight, col.bias)) and len(calls) == 3
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+def test_faster_shapes_keeps_the_shapes_the_kernel_wins_by_the_margin(monkeypatch):
+    """`faster_shapes` (what `EngineConfig.gemv=None` picks by at load) times each weight
+    shape once over all its weights, cuBLAS's launches against the kernel's, and keeps a
+    shape only where the kernel's time is within `MARGIN` of cuBLAS's; a shape it has
+    judged in this process keeps its verdict."""
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(*s, generator=g) for s in [(6, 40), (6, 40), (10, 24)]]
+    timed = []
+    real = gemv.timed
+    monkeypatch.setattr(gemv, "timed", lambda step, *a: timed.append(step) or real(step, *a))
+    monkeypatch.setattr(gemv, "_verdicts", {})
+    monkeypatch.setattr(gemv, "MARGIN", 1e9)  # any time the kernel takes wins
+    assert gemv.faster_shapes(weights, iters=1) == {(6, 40), (10, 24)}
+    assert len(timed) == 4  # two shapes, two systems each
+    # The same weights again keep their verdicts, untimed: a second engine runs the same
+    # kernels as the first.
+    monkeypatch.setattr(gemv, "MARGIN", 0.0)  # nothing beats cuBLAS in no time
+    assert gemv.faster_shapes(weights, iters=1) == {(6, 40), (10, 24)} and len(timed) == 4
+    assert gemv.faster_shapes(weights[:2] + [weights[2].T.contiguous()], iters=1) == {(6, 40)}
+    assert len(timed) == 6  # only the new shape was timed
