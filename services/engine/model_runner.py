@@ -55,7 +55,7 @@ from services.engine.model.llama import LlamaFamilyForCausalLM
 from services.engine.model.loader import load_weights
 from services.engine.parallel import ParallelContext
 from services.engine.recent_tokens import RecentTokens
-from services.engine.sampler import SamplingMetadata, prompt_logprobs, sample
+from services.engine.sampler import PromptLogprobs, SamplingMetadata, sample
 from services.engine.scheduler import StepRequest
 from services.engine.sequence import PLACEHOLDER
 from services.engine.step_batch import (
@@ -549,7 +549,7 @@ class ModelRunner:
             first, count, next_ids, k = q.prompt_logprobs
             row0 = qsl[i] + first - q.start
             lp_logits = self.model.compute_logits(hidden[row0 : row0 + count])
-            pending.prompt_logprobs[i] = (first, prompt_logprobs(lp_logits, next_ids, k))
+            pending.prompt_logprobs[i] = (first, PromptLogprobs(lp_logits, next_ids, k))
         if interventions is not None:
             # After the sampled ids' copy: device→host copies queue on one copy engine, and
             # a capture block's long one ahead of it would hold up that copy, and with it

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.host_memory import to_device_async
 from services.engine.sampling_params import SamplingParams
 
 
@@ -330,18 +331,48 @@ def sample_to_host(
     return sample(logits, meta).to_host()
 
 
-def prompt_logprobs(
-    logits: torch.Tensor,  # [P, V]: logits at prompt positions p, predicting token p+1
-    next_ids: list[int],  # [P] the actual prompt tokens at p+1
-    k: int,
-) -> list[dict[int, float]]:
-    """Per prompt position: top-k logprobs plus the actual next prompt token's."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    actual = lp.gather(1, torch.tensor(next_ids, device=lp.device)[:, None]).squeeze(1).tolist()
-    out = [{t: v} for t, v in zip(next_ids, actual, strict=True)]
-    if k:
-        vals, ids = lp.topk(k, dim=-1)
-        for d, row_ids, row_vals in zip(out, ids.tolist(), vals.tolist(), strict=True):
-            for t, v in zip(row_ids, row_vals, strict=True):
-                d.setdefault(t, v)
-    return out
+class PromptLogprobs:
+    """A chunk's prompt logprobs, per prompt position the top-k plus the actual next prompt
+    token's: computed on the device at launch and copied to pinned host memory behind the
+    step, so that launching does not wait for the device (`.tolist()` of a device tensor
+    would). `to_dicts()`, when the step's result is read, waits for that copy only."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,  # [P, V]: logits at prompt positions p, predicting token p+1
+        next_ids: list[int],  # [P] the actual prompt tokens at p+1
+        k: int,
+    ):
+        self.next_ids = next_ids
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        ids = to_device_async(next_ids, torch.int64, lp.device)
+        values = lp.gather(1, ids[:, None])  # [P, 1], then the top k's
+        top = None
+        if k:
+            vals, top = lp.topk(k, dim=-1)
+            values = torch.cat([values, vals], dim=1)
+        self.values, self.top_ids = _to_host(values), top if top is None else _to_host(top)
+        self.copied = None
+        if lp.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def to_dicts(self) -> list[dict[int, float]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        values = self.values.tolist()
+        out = [{t: row[0]} for t, row in zip(self.next_ids, values, strict=True)]
+        if self.top_ids is not None:
+            for d, row_ids, row in zip(out, self.top_ids.tolist(), values, strict=True):
+                for t, v in zip(row_ids, row[1:], strict=True):
+                    d.setdefault(t, v)
+        return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host: on CUDA, a copy into pinned memory queued behind the work before it
+    (waited for by the caller's event)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

@@ -19,7 +19,7 @@ import torch
 
 from services.engine.attention import StepAttentionInputs
 from services.engine.interventions.planner import StepInterventions
-from services.engine.sampler import SampledBatch
+from services.engine.sampler import PromptLogprobs, SampledBatch
 
 
 @dataclass
@@ -42,7 +42,8 @@ class PendingStep:
         self.sampled: SampledBatch | None = None
         self.host: torch.Tensor | None = None  # pinned copy of sampled.packed()
         self.copied: torch.cuda.Event | None = None
-        self.prompt_logprobs: list[tuple[int, list[dict[int, float]]] | None] = [None] * num_seqs
+        # Prompt logprobs this step computes, as (first prompt position, their copy home)
+        self.prompt_logprobs: list[tuple[int, PromptLogprobs] | None] = [None] * num_seqs
         # The step's interventions and the host copies of what the fused op wrote for them.
         self.interventions: StepInterventions | None = None
         self.readback: dict[str, Any] = {}  # `Readback` copies, by what they are
@@ -55,7 +56,10 @@ class PendingStep:
             self.settle()
             self.settle = None
         n = self.num_seqs
-        result = StepResult([None] * n, [None] * n, self.prompt_logprobs)
+        prompt_logprobs = [
+            p if p is None else (p[0], p[1].to_dicts()) for p in self.prompt_logprobs
+        ]
+        result = StepResult([None] * n, [None] * n, prompt_logprobs)
         if self.copied is not None:
             self.copied.synchronize()
         if self.interventions is not None:

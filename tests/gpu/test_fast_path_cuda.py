@@ -313,16 +313,20 @@ def test_steered_admission_and_prefill_make_no_host_sync(tiny_checkpoint):
     assert engine.steering_snapshot()["pools"]["per_request"]["used"] == 0  # rows cleared
 
 
-def test_prefill_chunks_beside_decodes_make_no_host_sync(tiny_checkpoint):
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_prefill_chunks_beside_decodes_make_no_host_sync(tiny_checkpoint, prompt_logprobs):
     """Steps that hold decodes and prompt chunks that end mid-prompt (so some rows do not
     sample) queue their work without waiting for the device. Picking the sampling rows'
     logits made its index with `torch.tensor(rows, device=cuda)`, a synchronous copy: every
     such step waited for the device to drain, which cost long-prompt workloads their
-    overlap (the prefill steps of 128 prompts of 512 each waited once)."""
+    overlap (the prefill steps of 128 prompts of 512 each waited once). With
+    `prompt_logprobs` the chunks' logprobs come home behind their step too (they were
+    `.tolist()` at launch), every prompt position's."""
     cfg = EngineConfig(device="cuda", dtype="bfloat16", max_num_batched_tokens=48)
     engine = LLMEngine(tiny_checkpoint("qwen3"), cfg)
     rng = random.Random(1)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    long = dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
 
     def wave(tag: str) -> None:
         for i in range(4):  # decoding before the long prompts arrive
@@ -330,22 +334,24 @@ def test_prefill_chunks_beside_decodes_make_no_host_sync(tiny_checkpoint):
         for _ in range(3):
             engine.step()
         for i in range(3):  # 100 tokens each: chunks of under 48 beside the decodes
-            engine.add_request(
-                f"{tag}-long{i}", [rng.randrange(8, 512) for _ in range(100)], params
-            )
+            engine.add_request(f"{tag}-long{i}", [rng.randrange(8, 512) for _ in range(100)], long)
 
     wave("warm")  # compiles what these steps launch
     while engine.has_unfinished_requests():
         engine.step()
     wave("timed")
     eager = engine.stats()["num_eager_steps"]
+    positions = 0
     torch.cuda.set_sync_debug_mode("error")
     try:
         while engine.has_unfinished_requests():
-            engine.step()
+            for out in engine.step():
+                if out.request_id == "timed-long0" and out.prompt_logprobs:
+                    positions += len(out.prompt_logprobs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.stats()["num_eager_steps"] - eager >= 6  # the mixed steps ran under the check
+    assert positions == (100 if prompt_logprobs else 0)  # the first position's is None
 
 
 def test_eager_captures_make_no_host_sync(tiny_checkpoint):

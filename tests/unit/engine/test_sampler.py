@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.engine.sampler import (
+    PromptLogprobs,
     SamplingMetadata,
-    prompt_logprobs,
     sample,
     sample_to_host,
 )
@@ -218,7 +218,8 @@ def test_sampled_batch_stays_on_device_until_to_host():
 
 
 def test_prompt_logprobs_include_actual_token():
-    out = prompt_logprobs(LOGITS.repeat(2, 1), [4, 0], k=1)
+    out = PromptLogprobs(LOGITS.repeat(2, 1), [4, 0], k=1).to_dicts()
     lp = torch.log_softmax(LOGITS[0], -1)
     assert out[0] == {4: float(lp[4]), 0: float(lp[0])}
     assert out[1] == {0: float(lp[0])}
+    assert PromptLogprobs(LOGITS, [2], k=0).to_dicts() == [{2: float(lp[2])}]
