@@ -23,6 +23,8 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
   - gemv: `EngineConfig.gemv=True` (CUDA: every one-row Linear on `kernels/gemv.py`; the
     default runs it only at the weight shapes it measures faster than cuBLAS at load);
   - cublas: `EngineConfig.gemv=False` (every Linear on cuBLAS: the default's baseline);
+  - gact: `EngineConfig.gemv_activation` (the gate-up GEMV and the MLP's activation in one
+    launch);
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -233,8 +235,9 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
 
 
 # The one-process engine's options (`coxswain-OPTS`, `+`-joined): `EngineConfig.skinny_gemm`,
-# cuBLASLt, `EngineConfig.fused_decode_attention`, `EngineConfig.gemv` True or False.
-ENGINE_OPTIONS = ("skinny", "lt", "fa", "gemv", "cublas")
+# cuBLASLt, `EngineConfig.fused_decode_attention`, `EngineConfig.gemv` True or False,
+# `EngineConfig.gemv_activation`.
+ENGINE_OPTIONS = ("skinny", "lt", "fa", "gemv", "cublas", "gact")
 
 
 def engine_options(system: str) -> set[str] | None:
@@ -455,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
             skinny_gemm="skinny" in options,
             fused_decode_attention="fa" in options,
             gemv=True if "gemv" in options else False if "cublas" in options else None,
+            gemv_activation="gact" in options,
         )
         with blas_library("cublaslt" if "lt" in options else None):
             engine = LLMEngine(args.model, config)

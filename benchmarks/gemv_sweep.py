@@ -44,7 +44,7 @@ TILES = list(itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 3)))  # n, k
 def launch(x, w, y, bn: int, bk: int, warps: int, stages: int) -> None:
     n, k = w.shape
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, w, w, y, n, k, w.stride(0), HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
+        x, w, w, y, n, k, w.stride(0), HAS_BIAS=False, GATED=False, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 

@@ -126,6 +126,13 @@ class EngineConfig:
     # cuBLAS and the Qwen3-0.6B shape's o_proj 3.6x (cuBLAS runs it as split-K), and lost
     # at two (0.90x): batch 1 on the Qwen3-0.6B shape went from 717 to 909 tok/s.
     gemv: bool | None = None
+    # CUDA: where an MLP's gate-up Linear runs on the GEMV kernel (above), the activation
+    # runs in the same launch (kernels/gemv.py, `gated`): one kernel fewer a layer at batch
+    # 1, with the unfused path's rounding. Off until its GPU tests and decode.py's
+    # coxswain-gact row have run on a GPU (written after the 2026-11-28 session's device
+    # time; predicted about 0.05 ms off the Qwen3-0.6B shape's 1.20 ms batch-1 step on an
+    # H100, 28 launches of ~2 µs).
+    gemv_activation: bool = False
     # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
     # RoPE and the K/V cache write happen in the attention kernel's programs, and the last
     # split of each request x KV head to finish merges the splits

@@ -120,6 +120,7 @@ class LLMEngine:
             steps_in_flight=self.microbatches,
             skinny_gemm=skinny,
             gemv=gemv,
+            gemv_activation=cfg.gemv_activation,
         )
         self.adapters = self.runner.adapters
         num_blocks = num_kv_blocks(

@@ -100,12 +100,14 @@ class ModelRunner:
         steps_in_flight: int = 1,
         skinny_gemm: bool = False,
         gemv: bool | None = False,
+        gemv_activation: bool = False,
     ):
         """`adapters`: the bank whose target Linears this runner's model wraps;
         `steps_in_flight`: how many launched steps the engine leaves unaccepted (one, or a
         pipeline's microbatches), so how far back a placeholder's token was sampled;
         `skinny_gemm`: `EngineConfig.skinny_gemm` (CUDA); `gemv`: `EngineConfig.gemv`
-        (CUDA; None: where it measures faster)."""
+        (CUDA; None: where it measures faster); `gemv_activation`: its
+        `EngineConfig` field."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -133,7 +135,11 @@ class ModelRunner:
         load_weights(self.model, model_dir)
         self.model.eval()
         # The Linears whose one-row inputs run the GEMV kernel (`EngineConfig.gemv`)
-        self.gemv_linears = [] if gemv is False else self.model.use_gemv(measured=gemv is None)
+        self.gemv_linears = (
+            []
+            if gemv is False
+            else self.model.use_gemv(measured=gemv is None, gated=gemv_activation)
+        )
         if self.gemv_linears:
             log.info("gemv: %d one-row Linears run kernels/gemv.py", len(self.gemv_linears))
         self.adapters = adapters

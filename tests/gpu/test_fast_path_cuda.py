@@ -144,6 +144,26 @@ def test_gemv_gives_cublas_tokens_and_logprobs(tiny_checkpoint, arch):
     assert _gap(fast, exact, 24) <= max(0.05, 2 * _gap(plain, exact, 24))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gemv_activation_gives_the_unfused_tokens_and_logprobs(tiny_checkpoint, arch):
+    """`gemv_activation`: the batch-1 steps' MLPs run the gate-up GEMV and the activation in
+    one launch, so `silu_mul` runs in fewer steps; float32 tokens and logprobs as with the
+    two launches (the same sums, rounded at the same places)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    path = tiny_checkpoint(arch, hidden=512, intermediate=1024)
+
+    def silu_launches(**config) -> tuple[list, int]:
+        cuda = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=cuda) as prof:
+            outs, _ = _run(path, "float32", False, params, gemv=True, **config)
+        return outs, sum(e.count for e in prof.key_averages() if "_silu_mul_kernel" in e.key)
+
+    fused, fewer = silu_launches(gemv_activation=True)
+    apart, launches = silu_launches()
+    assert fewer < launches
+    _assert_same(fused, apart)
+
+
 def test_gemv_by_default_runs_where_it_measured_faster(tiny_checkpoint):
     """`gemv=None` (the default): the kernel runs for the Linears whose shapes it timed
     faster than cuBLAS at load, which a second engine in the process keeps (the same

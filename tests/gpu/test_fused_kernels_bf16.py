@@ -15,7 +15,7 @@ from services.engine.kernels.decode_attention import (
     prefill_attention_reference,
     prefill_attention_triton,
 )
-from services.engine.kernels.gemv import gemv_reference, gemv_triton
+from services.engine.kernels.gemv import gemv_gated_reference, gemv_reference, gemv_triton
 from services.engine.kernels.norm_rope import (
     rms_norm_reference,
     rms_norm_triton,
@@ -330,6 +330,32 @@ def test_gemv_matches_reference(dtype, k, n, bias):
     got = gemv_triton(x, w, b)
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), gemv_reference(x, w, b).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "k,n,bias",
+    [
+        (1024, 2 * 3072, False),  # Qwen3-0.6B's gate-up at batch 1
+        (4096, 2 * 7168, False),  # Llama-3-8B's on one of two TP ranks
+        (896, 2 * 4867, True),  # ragged: K not a multiple of the tile, N of the row block
+    ],
+)
+def test_gemv_gated_matches_reference(dtype, k, n, bias):
+    """The gate-up Linear and the MLP's activation in one launch (`gemv_activation`) against
+    the reference, and against the unfused launch followed by `silu_mul`."""
+    from services.engine.kernels.norm_rope import silu_mul_triton
+
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    got = gemv_triton(x, w, b, gated=True)
+    tol = TOL[dtype]
+    want = gemv_gated_reference(x, w, b).float()
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    unfused = silu_mul_triton(gemv_triton(x, w, b)).float()
+    torch.testing.assert_close(got.float(), unfused, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

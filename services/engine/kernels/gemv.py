@@ -32,6 +32,7 @@ try:
 except ImportError:  # CPU-only installs: the reference serves every call
     triton = None
 
+from services.engine.kernels.norm_rope import silu_mul_reference
 from services.engine.kernels.skinny_gemm import skinny_linear_reference
 from services.engine.kernels.steer import INTERPRET
 from services.engine.kernels.timing import timed
@@ -48,6 +49,15 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return skinny_linear_reference(x, weight, bias)
 
 
+def gemv_gated_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The MLP's gate-up Linear and activation at one row: `silu(x gateᵀ) * (x upᵀ)` of
+    `weight = [gate; up]`, each Linear rounded once to x's dtype and the activation rounded
+    as the engine's `silu_mul` rounds it ([1, K] -> [1, N/2])."""
+    return silu_mul_reference(gemv_reference(x, weight, bias))
+
+
 if triton is not None:
 
     @triton.jit
@@ -60,28 +70,45 @@ if triton is not None:
         K,
         stride_w,
         HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        # GATED: W is [gate; up] (2N rows) and y = silu(x gateᵀ) * (x upᵀ), [N]; a program
+        # owns the same BLOCK_N rows of each half.
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        rows = w_ptr + rn.to(tl.int64)[:, None] * stride_w
+        rn64 = rn.to(tl.int64)
+        rows = w_ptr + rn64[:, None] * stride_w
+        up_rows = w_ptr + (rn64 + N)[:, None] * stride_w
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            mask = n_ok[:, None] & k_ok[None, :]
             # Each weight is read once: leave L2 to what is read again (x, the KV cache).
-            w = tl.load(
-                rows + k[None, :],
-                mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            w = tl.load(rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * x[None, :]
+            if GATED:
+                u = tl.load(
+                    up_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+                )
+                acc_up += u.to(tl.float32) * x[None, :]
         y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if GATED:
+            up = tl.sum(acc_up, 1)
+            if HAS_BIAS:
+                up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+            # Rounded where the unfused path rounds: each Linear's output, then as
+            # `silu_mul` rounds (norm_rope._silu_mul_kernel: the activation, then the mul).
+            dtype = y_ptr.dtype.element_ty
+            g = y.to(dtype).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype)
+            y = act.to(tl.float32) * up.to(dtype).to(tl.float32)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -92,23 +119,27 @@ def block_k(n: int) -> int:
 
 
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
 ) -> torch.Tensor:
     """`gemv_reference` as one Triton launch (`x` [1, K] contiguous, `weight` [N, K] with
-    unit stride along K)."""
+    unit stride along K); `gated`: `gemv_gated_reference`, the gate-up Linear and the
+    MLP's activation in that launch ([1, N/2] out), at the tile of the Linear alone, so each
+    half sums as the unfused launch would."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous(), x.shape
     n, k = weight.shape
     assert x.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
-    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+    out = n // 2 if gated else n
+    y = torch.empty(1, out, device=x.device, dtype=x.dtype)
+    _gemv_kernel[(triton.cdiv(out, BLOCK_N),)](
         x,
         weight,
         bias if bias is not None else weight,  # unread without HAS_BIAS
         y,
-        n,
+        out,
         k,
         weight.stride(0),
         HAS_BIAS=bias is not None,
+        GATED=gated,
         BLOCK_N=BLOCK_N,
         BLOCK_K=block_k(n),
         num_warps=8,

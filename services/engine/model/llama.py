@@ -135,13 +135,18 @@ class MLP(nn.Module):
             cfg.hidden_size, [n, n], cfg.mlp_bias, ctx, skinny
         )
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, cfg.mlp_bias, ctx, skinny)
+        # One row: the gate-up GEMV and the activation in one launch (`use_gemv`'s `gated`)
+        self.gemv_gated = False
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        # Skinny: the gate-up GEMM and its activation in one kernel. An adapter's wrapper
-        # (no MergedColumnParallelLinear) runs its own GEMM, then the activation.
-        if isinstance(gate_up, MergedColumnParallelLinear) and gate_up.skinny and takes(x):
+        # Skinny or GEMV: the gate-up GEMM and its activation in one kernel. An adapter's
+        # wrapper (no MergedColumnParallelLinear) runs its own GEMM, then the activation.
+        merged = isinstance(gate_up, MergedColumnParallelLinear)
+        if merged and gate_up.skinny and takes(x):
             a = skinny_linear(x, gate_up.weight, gate_up.bias, gated=True, tickets=gate_up.tickets)
+        elif merged and self.gemv_gated and gemv.takes(x):
+            a = gemv.gemv_triton(x, gate_up.weight, gate_up.bias, gated=True)
         else:
             a = silu_mul(gate_up(x))
         return self.down_proj(a) if reduce else self.down_proj(a, reduce=False)
@@ -359,11 +364,13 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         return self.lm_head(h)
 
-    def use_gemv(self, measured: bool = False) -> list[str]:
+    def use_gemv(self, measured: bool = False, gated: bool = False) -> list[str]:
         """Run one-row inputs of the Linears (the decoder's and the LM head) on
         `kernels/gemv.py` (`EngineConfig.gemv`): every one, or with `measured` those whose
         weight shape the kernel reads faster than cuBLAS on this GPU (`faster_shapes`, the
-        same on every TP rank). Returns the names of the modules that now do."""
+        same on every TP rank); `gated`: an MLP whose gate-up Linear does runs its
+        activation in that launch (`EngineConfig.gemv_activation`). Returns the names of the
+        Linears that now run the kernel."""
         modules = {name: m for name, m in self.named_modules() if hasattr(m, "gemv")}
         if measured and modules:
             group = self.ctx.tp_group if self.ctx.tp_size > 1 else None
@@ -371,6 +378,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             modules = {n: m for n, m in modules.items() if tuple(m.weight.shape) in faster}
         for m in modules.values():
             m.gemv = True
+        if gated:
+            for layer in self.layers.values():
+                layer.mlp.gemv_gated = layer.mlp.gate_up_proj.gemv
         return list(modules)
 
     def attention_layers(self) -> list[Attention]:

@@ -65,6 +65,28 @@ def test_triton_matches_the_reference(n, k, bias):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "n,k,bias",
+    [
+        (6, 40, False),  # a partial block of rows of each half, a partial K tile
+        (2 * 1030, 520, True),  # wide: K tiles of 512, ragged row blocks, a bias
+    ],
+)
+def test_triton_gated_matches_the_reference(n, k, bias):
+    """The gate-up Linear with the MLP's activation in its launch: `[1, n/2]` out, as the
+    reference (and as the unfused kernel followed by the activation) computes it."""
+    from services.engine.kernels.norm_rope import silu_mul_reference
+
+    x, w, b = _case(n, k, bias)
+    got = gemv.gemv_triton(x, w, b, gated=True)
+    want = gemv.gemv_gated_reference(x, w, b)
+    assert got.shape == (1, n // 2) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    unfused = silu_mul_reference(gemv.gemv_triton(x, w, b))
+    torch.testing.assert_close(got, unfused, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
 def test_triton_linears_with_gemv_on_route_one_row_to_the_kernel(monkeypatch):
     """`gemv` on a Linear (what `use_gemv` sets): a one-row input runs the kernel in the
     column- and row-parallel Linears (the latter's unreduced partial too) and the LM head,
@@ -118,3 +140,35 @@ def test_faster_shapes_keeps_the_shapes_the_kernel_wins_by_the_margin(monkeypatc
     assert gemv.faster_shapes(weights, iters=1) == {(6, 40), (10, 24)} and len(timed) == 4
     assert gemv.faster_shapes(weights[:2] + [weights[2].T.contiguous()], iters=1) == {(6, 40)}
     assert len(timed) == 6  # only the new shape was timed
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+def test_gemv_activation_runs_the_mlp_gate_up_and_activation_in_one_launch(tmp_path, monkeypatch):
+    """`use_gemv(gated=True)` (`EngineConfig.gemv_activation`): an MLP whose gate-up Linear
+    runs the GEMV kernel takes a one-row input through one gated launch, with the unfused
+    MLP's output; more rows keep the GEMM and the activation apart."""
+    from services.engine.model.config import load_model_config
+    from services.engine.model.tiny import make_tiny_checkpoint
+    from services.engine.model_runner import ModelRunner
+    from services.engine.parallel import ParallelContext
+
+    path = make_tiny_checkpoint(tmp_path, "qwen3", intermediate=96)
+    cpu = torch.device("cpu")
+    runner = ModelRunner(
+        path, load_model_config(path), cpu, torch.float32, 16, ParallelContext(), gemv=True,
+        gemv_activation=True,
+    )  # fmt: skip
+    mlp = runner.model.layers["0"].mlp
+    assert mlp.gemv_gated and mlp.gate_up_proj.gemv
+    calls = []
+    real = gemv.gemv_triton
+    monkeypatch.setattr(
+        gemv, "gemv_triton", lambda *a, **kw: calls.append(kw.get("gated")) or real(*a, **kw)
+    )
+    g = torch.Generator().manual_seed(3)
+    x, xs = torch.randn(1, 64, generator=g), torch.randn(3, 64, generator=g)
+    got, many = mlp(x), mlp(xs)
+    assert calls == [True, None]  # the gated launch, then the down projection's
+    mlp.gemv_gated = mlp.gate_up_proj.gemv = mlp.down_proj.gemv = False
+    torch.testing.assert_close(got, mlp(x), rtol=1e-4, atol=1e-4)
+    assert torch.equal(many, mlp(xs))
