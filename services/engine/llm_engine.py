@@ -95,6 +95,13 @@ class LLMEngine:
         gemv = cfg.gemv if self.device.type == "cuda" else False
         if cfg.gemv and not gemv:
             log.warning("gemv applies to CUDA devices: not used on %s", self.device)
+        gemv_activation = cfg.gemv_activation and self.device.type == "cuda"
+        if cfg.gemv_activation and not gemv_activation:
+            log.warning("gemv_activation applies to CUDA devices: not used on %s", self.device)
+        elif gemv_activation and cfg.gemv is False:
+            raise InvalidRequestError(
+                "gemv_activation runs inside the GEMV kernel: it needs gemv on"
+            )
         self.runner = ModelRunner(
             self.model_dir,
             self.model_config,
@@ -120,7 +127,7 @@ class LLMEngine:
             steps_in_flight=self.microbatches,
             skinny_gemm=skinny,
             gemv=gemv,
-            gemv_activation=cfg.gemv_activation,
+            gemv_activation=gemv_activation,
         )
         self.adapters = self.runner.adapters
         num_blocks = num_kv_blocks(

@@ -162,6 +162,8 @@ def test_gemv_activation_gives_the_unfused_tokens_and_logprobs(tiny_checkpoint, 
     apart, launches = silu_launches()
     assert fewer < launches
     _assert_same(fused, apart)
+    with pytest.raises(ValueError, match="needs gemv on"):  # not quietly the unfused path
+        LLMEngine(path, EngineConfig(device="cuda", gemv=False, gemv_activation=True))
 
 
 def test_gemv_by_default_runs_where_it_measured_faster(tiny_checkpoint):
