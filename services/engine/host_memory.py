@@ -86,6 +86,16 @@ def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> t
     return host.to(device, non_blocking=True)
 
 
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host without waiting for the device's queue: on CUDA a copy into fresh
+    pinned memory, queued behind the work before it, that the caller's event must cover
+    before the host reads it; a CPU tensor as it is."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 def host_rows(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     """`t[j, :n]` for each `j` of a `host_empty` tensor `t` of shape `[K, rows, ...]`, each
     on a storage of its own holding those rows alone: each is contiguous, and pickled (to

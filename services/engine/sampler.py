@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.host_memory import to_device_async
+from services.engine.host_memory import to_device_async, to_host_async
 from services.engine.sampling_params import SamplingParams
 
 
@@ -351,7 +351,8 @@ class PromptLogprobs:
         if k:
             vals, top = lp.topk(k, dim=-1)
             values = torch.cat([values, vals], dim=1)
-        self.values, self.top_ids = _to_host(values), top if top is None else _to_host(top)
+        self.values = to_host_async(values)
+        self.top_ids = None if top is None else to_host_async(top)
         self.copied = None
         if lp.is_cuda:
             self.copied = torch.cuda.Event()
@@ -367,12 +368,3 @@ class PromptLogprobs:
                 for t, v in zip(row_ids, row[1:], strict=True):
                     d.setdefault(t, v)
         return out
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` on the host: on CUDA, a copy into pinned memory queued behind the work before it
-    (waited for by the caller's event)."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.engine.host_memory import to_host_async
 from services.engine.interventions.capture import BlockPlacement
 from services.engine.interventions.host_rows import CaptureDrain, Lease, PinnedRows
 from services.engine.interventions.resolve import RowContent, SiteKey
@@ -217,12 +218,7 @@ class Readback:
         event covers (on CPU, at once). Returns that block and each site's rows of it.
         Site by site `.cpu()` copied each synchronously, so every capturing step waited,
         once a site, for the step launched after it."""
-        flat = torch.cat(list(captured.values())).float()  # [rows of every site, H]
-        if self.on_cuda:
-            host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-        else:
-            host = flat
+        host = to_host_async(torch.cat(list(captured.values())).float())  # [rows, H]
         spans, at = {}, 0
         for key, rows in captured.items():
             spans[key], at = slice(at, at + len(rows)), at + len(rows)
