@@ -23,8 +23,11 @@ or `--model DIR`), at each batch size with every request `--context` tokens deep
   - gemv: `EngineConfig.gemv=True` (CUDA: every one-row Linear on `kernels/gemv.py`; the
     default runs it only at the weight shapes it measures faster than cuBLAS at load);
   - cublas: `EngineConfig.gemv=False` (every Linear on cuBLAS: the default's baseline);
-  - gact: `EngineConfig.gemv_activation` (the gate-up GEMV and the MLP's activation in one
-    launch);
+  - gact: `EngineConfig.gemv_activation=True` (the gate-up GEMV and the MLP's activation in
+    one launch; the default runs it where it can);
+  - fold: `EngineConfig.gemv_fold_norms=True` (a batch-1 layer's norms and residual adds
+    inside its GEMV launches; the default runs it where it can);
+  - unfused: both of those False (the GEMV kernel's launches do only the Linear);
 - with `--tp N` / `--pp M`: also Coxswain on a replica of N × M local processes (one GPU
   each, NCCL; gloo on CPU), driven from its first rank, in the same run as the one-process
   engine, and its rate over the one-process one.
@@ -236,8 +239,14 @@ def intervened(hidden: int, layers: int, index: int) -> dict:
 
 # The one-process engine's options (`coxswain-OPTS`, `+`-joined): `EngineConfig.skinny_gemm`,
 # cuBLASLt, `EngineConfig.fused_decode_attention`, `EngineConfig.gemv` True or False,
-# `EngineConfig.gemv_activation`.
-ENGINE_OPTIONS = ("skinny", "lt", "fa", "gemv", "cublas", "gact")
+# `EngineConfig.gemv_activation` and `EngineConfig.gemv_fold_norms` True, or both False.
+ENGINE_OPTIONS = ("skinny", "lt", "fa", "gemv", "cublas", "gact", "fold", "unfused")
+
+
+def on_off(option: str, options: set[str]) -> bool | None:
+    """An `EngineConfig` field that defaults to None (on where it can run): True for a row
+    that names `option`, False for an `unfused` row, else the default."""
+    return True if option in options else False if "unfused" in options else None
 
 
 def engine_options(system: str) -> set[str] | None:
@@ -458,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
             skinny_gemm="skinny" in options,
             fused_decode_attention="fa" in options,
             gemv=True if "gemv" in options else False if "cublas" in options else None,
-            gemv_activation="gact" in options,
+            gemv_activation=on_off("gact", options),
+            gemv_fold_norms=on_off("fold", options),
         )
         with blas_library("cublaslt" if "lt" in options else None):
             engine = LLMEngine(args.model, config)

@@ -187,7 +187,7 @@ run() {
         step tests-nccl 2 560 python3 -m pytest -q tests/gpu/test_parallel_nccl.py ;;
     decode)
         local d="$one python3 benchmarks/decode.py --batch-sizes 1,8,32,128"
-        d+=" --systems ceiling,coxswain,coxswain-cublas,coxswain-gemv,coxswain-gact,coxswain-fa"
+        d+=" --systems ceiling,coxswain,coxswain-unfused,coxswain-cublas,coxswain-gemv,coxswain-fa"
         step decode 1 "${ONE_GPU[decode]}" bash -c "$both" decode \
             "$one python3 benchmarks/gemv_sweep.py" "$d --shape qwen3-0.6b" \
             "$d --shape llama3-8b" ;;

@@ -126,13 +126,22 @@ class EngineConfig:
     # cuBLAS and the Qwen3-0.6B shape's o_proj 3.6x (cuBLAS runs it as split-K), and lost
     # at two (0.90x): batch 1 on the Qwen3-0.6B shape went from 717 to 909 tok/s.
     gemv: bool | None = None
-    # CUDA: where an MLP's gate-up Linear runs on the GEMV kernel (above), the activation
-    # runs in the same launch (kernels/gemv.py, `gated`): one kernel fewer a layer at batch
-    # 1, with the unfused path's rounding. Off until its GPU tests and decode.py's
-    # coxswain-gact row have run on a GPU (written after the 2026-11-28 session's device
-    # time; predicted about 0.05 ms off the Qwen3-0.6B shape's 1.20 ms batch-1 step on an
-    # H100, 28 launches of ~2 µs).
-    gemv_activation: bool = False
+    # The two below run more of a batch-1 decode layer inside the GEMV kernel's launches.
+    # Each: None (the default) on where it was measured, a CUDA model at tensor-parallel
+    # size 1 with `gemv` not False; True asks for it (a warning where it cannot run, an
+    # error with gemv=False); False: off. Together, on one H100 (decode.py, coxswain-fold+
+    # gact against coxswain-cublas... rows, benchmarks/README.md): the Qwen3-0.6B shape's
+    # batch-1 step from 1.20 to 1.12 ms (835 -> 889-892 tok/s), batch 32 and 128 unchanged.
+    #
+    # The activation: where an MLP's gate-up Linear runs on the GEMV kernel, SiLU-mul runs
+    # in the same launch (kernels/gemv.py, `gated`), rounded where the unfused path rounds.
+    gemv_activation: bool | None = None
+    # The norms and adds: a batch-1 layer's two RMSNorms run inside the qkv and gate-up
+    # launches (r · ((x ⊙ g) Wᵀ), r applied to the finished sums) and its two residual adds
+    # inside the o and down projections' (kernels/gemv.py, `norm`, `residual`), so the
+    # layer launches no norm kernel; those four Linears then run the GEMV kernel at one row
+    # whatever `gemv`'s timing picked. Needs no o_proj or down_proj bias.
+    gemv_fold_norms: bool | None = None
     # CUDA: a decode step's attention in one kernel a layer, not three: the q/k norms,
     # RoPE and the K/V cache write happen in the attention kernel's programs, and the last
     # split of each request x KV head to finish merges the splits

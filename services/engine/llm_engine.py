@@ -95,13 +95,23 @@ class LLMEngine:
         gemv = cfg.gemv if self.device.type == "cuda" else False
         if cfg.gemv and not gemv:
             log.warning("gemv applies to CUDA devices: not used on %s", self.device)
-        gemv_activation = cfg.gemv_activation and self.device.type == "cuda"
-        if cfg.gemv_activation and not gemv_activation:
-            log.warning("gemv_activation applies to CUDA devices: not used on %s", self.device)
-        elif gemv_activation and cfg.gemv is False:
-            raise InvalidRequestError(
-                "gemv_activation runs inside the GEMV kernel: it needs gemv on"
-            )
+        in_gemv = {}  # what runs inside the GEMV kernel's launches: None means where it can
+        mc = self.model_config
+        for name in ("gemv_activation", "gemv_fold_norms"):
+            asked, why_not = getattr(cfg, name), None
+            if self.device.type != "cuda":
+                why_not = f"applies to CUDA devices, not {self.device}"
+            elif cfg.gemv is False:
+                if asked:
+                    raise InvalidRequestError(f"{name} runs inside the GEMV kernel: needs gemv on")
+                why_not = "gemv is off"
+            elif ctx.tp_size > 1:
+                why_not = "was measured at tensor-parallel size 1 only"
+            elif name == "gemv_fold_norms" and (mc.o_bias or mc.mlp_bias):
+                why_not = "adds the residual where an o_proj or down_proj bias would go"
+            if asked and why_not:
+                log.warning("%s %s: not used", name, why_not)
+            in_gemv[name] = asked is not False and why_not is None
         self.runner = ModelRunner(
             self.model_dir,
             self.model_config,
@@ -127,7 +137,7 @@ class LLMEngine:
             steps_in_flight=self.microbatches,
             skinny_gemm=skinny,
             gemv=gemv,
-            gemv_activation=gemv_activation,
+            **in_gemv,
         )
         self.adapters = self.runner.adapters
         num_blocks = num_kv_blocks(

@@ -101,13 +101,14 @@ class ModelRunner:
         skinny_gemm: bool = False,
         gemv: bool | None = False,
         gemv_activation: bool = False,
+        gemv_fold_norms: bool = False,
     ):
         """`adapters`: the bank whose target Linears this runner's model wraps;
         `steps_in_flight`: how many launched steps the engine leaves unaccepted (one, or a
         pipeline's microbatches), so how far back a placeholder's token was sampled;
         `skinny_gemm`: `EngineConfig.skinny_gemm` (CUDA); `gemv`: `EngineConfig.gemv`
-        (CUDA; None: where it measures faster); `gemv_activation`: its
-        `EngineConfig` field."""
+        (CUDA; None: where it measures faster); `gemv_activation`, `gemv_fold_norms`: their
+        `EngineConfig` fields."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -138,7 +139,9 @@ class ModelRunner:
         self.gemv_linears = (
             []
             if gemv is False
-            else self.model.use_gemv(measured=gemv is None, gated=gemv_activation)
+            else self.model.use_gemv(
+                measured=gemv is None, gated=gemv_activation, fold_norms=gemv_fold_norms
+            )
         )
         if self.gemv_linears:
             log.info("gemv: %d one-row Linears run kernels/gemv.py", len(self.gemv_linears))

@@ -159,28 +159,62 @@ def test_gemv_activation_gives_the_unfused_tokens_and_logprobs(tiny_checkpoint, 
         return outs, sum(e.count for e in prof.key_averages() if "_silu_mul_kernel" in e.key)
 
     fused, fewer = silu_launches(gemv_activation=True)
-    apart, launches = silu_launches()
+    apart, launches = silu_launches(gemv_activation=False)
     assert fewer < launches
     _assert_same(fused, apart)
     with pytest.raises(ValueError, match="needs gemv on"):  # not quietly the unfused path
         LLMEngine(path, EngineConfig(device="cuda", gemv=False, gemv_activation=True))
 
 
+@pytest.mark.parametrize("arch,gated", [("llama", False), ("qwen3", True)])
+def test_gemv_fold_norms_gives_the_unfolded_tokens_and_logprobs(tiny_checkpoint, arch, gated):
+    """`gemv_fold_norms`: the batch-1 steps' layers run their norms and residual adds inside
+    the GEMV launches (in and out of graphs), so the norm kernel runs in fewer steps; float32
+    tokens and logprobs as the unfolded path's within float32 rounding (the norm's scale
+    multiplies finished sums); bf16 no further from float32 than the unfolded path is."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    path = tiny_checkpoint(arch, hidden=512, intermediate=1024)
+    config = dict(gemv=True, gemv_activation=gated)
+
+    def norm_launches(dtype: str = "float32", **fold) -> tuple[list, int]:
+        cuda = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=cuda) as prof:
+            outs, stats = _run(path, dtype, False, params, **config, **fold)
+        assert stats["num_graph_steps"] > 10
+        return outs, sum(e.count for e in prof.key_averages() if "_rms_norm_kernel" in e.key)
+
+    folded, fewer = norm_launches(gemv_fold_norms=True)
+    plain, launches = norm_launches(gemv_fold_norms=False)
+    assert fewer < launches
+    _assert_same(folded, plain, rel=1e-5)
+    params = dataclasses.replace(params, logprobs=1)
+    fast, _ = norm_launches("bfloat16", gemv_fold_norms=True)
+    slow, _ = norm_launches("bfloat16", gemv_fold_norms=False)
+    exact, _ = _run(path, "float32", False, params, gemv=False)
+    assert _gap(fast, exact, 24) <= max(0.05, 2 * _gap(slow, exact, 24))
+    with pytest.raises(ValueError, match="needs gemv on"):  # not quietly the unfolded path
+        LLMEngine(path, EngineConfig(device="cuda", gemv=False, gemv_fold_norms=True))
+
+
 def test_gemv_by_default_runs_where_it_measured_faster(tiny_checkpoint):
     """`gemv=None` (the default): the kernel runs for the Linears whose shapes it timed
     faster than cuBLAS at load, which a second engine in the process keeps (the same
     arithmetic: the same tokens and logprobs, to the bit); either way, cuBLAS's tokens and
-    logprobs within float32 rounding."""
+    logprobs within float32 rounding. (The folded norms, which put every decoder Linear on
+    the kernel, are off here.)"""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     path = tiny_checkpoint("llama", hidden=512, intermediate=1024)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        first, stats = _run(path, "float32", False, params)
+    measured = dict(gemv_fold_norms=False)
+    first, stats = _run(path, "float32", False, params, **measured)  # times the shapes
     picked = stats["num_gemv_linears"]
     assert 0 <= picked <= 2 * 4 + 1
+    # The second engine keeps the first's verdicts without timing again, so each kernel
+    # launch under the profiler is a Linear's.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        again, stats = _run(path, "float32", False, params, **measured)
+    assert stats["num_gemv_linears"] == picked
     launches = sum(e.count for e in prof.key_averages() if "_gemv_kernel" in e.key)
     assert (launches > 0) == (picked > 0)
-    again, stats = _run(path, "float32", False, params)
-    assert stats["num_gemv_linears"] == picked
     _assert_same(again, first)
     cublas, _ = _run(path, "float32", False, params, gemv=False)
     _assert_same(first, cublas, rel=1e-5)

@@ -15,7 +15,12 @@ from services.engine.kernels.decode_attention import (
     prefill_attention_reference,
     prefill_attention_triton,
 )
-from services.engine.kernels.gemv import gemv_gated_reference, gemv_reference, gemv_triton
+from services.engine.kernels.gemv import (
+    gemv_fused_reference,
+    gemv_gated_reference,
+    gemv_reference,
+    gemv_triton,
+)
 from services.engine.kernels.norm_rope import (
     rms_norm_reference,
     rms_norm_triton,
@@ -356,6 +361,39 @@ def test_gemv_gated_matches_reference(dtype, k, n, bias):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     unfused = silu_mul_triton(gemv_triton(x, w, b)).float()
     torch.testing.assert_close(got.float(), unfused, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "k,n,gated,fold",
+    [
+        (1024, 4096, False, "norm"),  # Qwen3-0.6B's qkv with its input norm
+        (1024, 2 * 3072, True, "norm"),  # its gate-up, norm and activation
+        (2048, 1024, False, "residual"),  # its o_proj and the residual add
+        (4096, 2 * 14336, True, "norm"),  # Llama-3-8B's gate-up
+        (14336, 4096, False, "residual"),  # its down projection and the add
+        (896, 4864 + 3, False, "norm"),  # ragged
+    ],
+)
+def test_gemv_folded_norm_and_residual_match_reference(dtype, k, n, gated, fold):
+    """A decode layer's norm in the Linear after it, or its residual add in the Linear
+    before it (`gemv_fold_norms`), against the reference, and against the norm kernel and
+    the plain launch (and the add) within the dtype's rounding."""
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    norm = res = None
+    if fold == "norm":
+        norm = ((torch.rand(k, device="cuda", generator=g) + 0.5).to(dtype), 1e-6)
+    else:
+        res = torch.randn(1, n, device="cuda", generator=g).to(dtype)
+    got = gemv_triton(x, w, gated=gated, norm=norm, residual=res).float()
+    tol = TOL[dtype]
+    want = gemv_fused_reference(x, w, gated=gated, norm=norm, residual=res).float()
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    unfused = gemv_triton(rms_norm_triton(x, *norm) if norm else x, w, gated=gated)
+    unfused = (unfused + res if res is not None else unfused).float()
+    torch.testing.assert_close(got, unfused, atol=2 * tol, rtol=2 * tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -58,6 +58,37 @@ def gemv_gated_reference(
     return silu_mul_reference(gemv_reference(x, weight, bias))
 
 
+def gemv_fused_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What a fused launch computes, in float32 with the kernel's roundings: `norm` (an
+    RMSNorm's weight `g` and eps) applies the norm before the Linear as `r · ((x ⊙ g) Wᵀ)`,
+    `r = rsqrt(mean(x²) + eps)` scaling the finished sums before the bias (the normalised
+    row is not rounded to x's dtype, as the unfused norm rounds it: equal up to that
+    rounding); `gated` as `gemv_gated_reference`; `residual`: `residual + x Wᵀ`, the
+    product rounded to x's dtype first, as the unfused Linear and add round."""
+    x32 = x.float()
+    if norm is None:
+        y = x32 @ weight.float().T
+    else:
+        g, eps = norm
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        y = ((x32 * g.float()) @ weight.float().T) * r
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    if gated:
+        return silu_mul_reference(y)
+    if residual is not None:
+        return (y.float() + residual.float()).to(x.dtype)
+    return y
+
+
 if triton is not None:
 
     @triton.jit
@@ -65,17 +96,24 @@ if triton is not None:
         x_ptr,
         w_ptr,
         b_ptr,
+        g_ptr,
+        res_ptr,
         y_ptr,
         N,
         K,
         stride_w,
+        eps,
         HAS_BIAS: tl.constexpr,
         GATED: tl.constexpr,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         # GATED: W is [gate; up] (2N rows) and y = silu(x gateᵀ) * (x upᵀ), [N]; a program
-        # owns the same BLOCK_N rows of each half.
+        # owns the same BLOCK_N rows of each half. NORM: x is RMSNorm'd first, as
+        # r · ((x ⊙ g) Wᵀ) with r = rsqrt(mean(x²) + eps) applied to the finished sums.
+        # RESIDUAL: y = residual + (x Wᵀ), each rounded where the unfused add rounds.
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         rn64 = rn.to(tl.int64)
@@ -83,10 +121,14 @@ if triton is not None:
         up_rows = w_ptr + (rn64 + N)[:, None] * stride_w
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)  # NORM: x², summed at the end
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x *= tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             mask = n_ok[:, None] & k_ok[None, :]
             # Each weight is read once: leave L2 to what is read again (x, the KV cache).
             w = tl.load(rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
@@ -97,19 +139,27 @@ if triton is not None:
                 )
                 acc_up += u.to(tl.float32) * x[None, :]
         y = tl.sum(acc, 1)
+        if NORM:
+            r = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+            y *= r
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        dtype = y_ptr.dtype.element_ty
         if GATED:
             up = tl.sum(acc_up, 1)
+            if NORM:
+                up *= r
             if HAS_BIAS:
                 up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
             # Rounded where the unfused path rounds: each Linear's output, then as
             # `silu_mul` rounds (norm_rope._silu_mul_kernel: the activation, then the mul).
-            dtype = y_ptr.dtype.element_ty
             g = y.to(dtype).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(dtype)
             y = act.to(tl.float32) * up.to(dtype).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+        if RESIDUAL:
+            res = tl.load(res_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            y = y.to(dtype).to(tl.float32) + res
+        tl.store(y_ptr + rn, y.to(dtype), mask=n_ok)
 
 
 def block_k(n: int) -> int:
@@ -119,27 +169,41 @@ def block_k(n: int) -> int:
 
 
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gemv_reference` as one Triton launch (`x` [1, K] contiguous, `weight` [N, K] with
     unit stride along K); `gated`: `gemv_gated_reference`, the gate-up Linear and the
     MLP's activation in that launch ([1, N/2] out), at the tile of the Linear alone, so each
-    half sums as the unfused launch would."""
+    half sums as the unfused launch would; `norm` (the RMSNorm's weight and eps) and
+    `residual`: `gemv_fused_reference`'s, the norm before the Linear or the residual add
+    after it in the same launch."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous(), x.shape
     n, k = weight.shape
     assert x.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
     out = n // 2 if gated else n
+    assert residual is None or (not gated and residual.shape == (1, n)), "y = residual + xWᵀ"
+    assert residual is None or residual.is_contiguous()
     y = torch.empty(1, out, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(out, BLOCK_N),)](
         x,
         weight,
         bias if bias is not None else weight,  # unread without HAS_BIAS
+        norm[0] if norm is not None else weight,  # unread without NORM
+        residual if residual is not None else weight,  # unread without RESIDUAL
         y,
         out,
         k,
         weight.stride(0),
+        norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        NORM=norm is not None,
+        RESIDUAL=residual is not None,
         BLOCK_N=BLOCK_N,
         BLOCK_K=block_k(n),
         num_warps=8,

@@ -97,9 +97,12 @@ class Attention(nn.Module):
         meta: Any,
         reduce: bool = True,
         qkv: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the normed residual `x`, or of its qkv projection `qkv` where the
-        caller ran it (with the norm folded in: `DecoderLayer.forward_fused`)."""
+        caller ran it (with the norm folded in: `DecoderLayer.forward_fused`); with
+        `residual` (one row on the GEMV kernel), `residual` + the block's output, added in
+        the o projection's launch."""
         t = (x if qkv is None else qkv).shape[0]
         assert self.kv_cache is not None, "the runner must attach a KV cache before forward"
         if self.backend.reads_kv_from_cache:
@@ -122,6 +125,8 @@ class Attention(nn.Module):
             q, k, v = self.project(positions, x, qkv)
             o = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
         o = o.reshape(t, self.q_size)
+        if residual is not None:
+            return gemv.gemv_triton(o.contiguous(), self.o_proj.weight, residual=residual)
         # (reduce=False only under the fused TP kernel: wrappers such as the trainer's
         # adapted Linears take one argument)
         return self.o_proj(o) if reduce else self.o_proj(o, reduce=False)
@@ -172,6 +177,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, ctx, backend, rotary, skinny)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ctx, skinny)
+        # One row: the norms and residual adds run in the GEMV launches (`use_gemv`'s
+        # `fold_norms`, `forward_gemv`)
+        self.gemv_folds = False
 
     def post_block_only(self, iv: Any) -> bool:
         """Whether nothing intervenes at this layer's pre_attn and post_attn this step (so
@@ -220,7 +228,10 @@ class DecoderLayer(nn.Module):
         `fuse_reduce`, sub-block outputs (x and the first part returned included) are this
         rank's partial sums, and each all-reduce runs inside the norm after it. Where the
         skinny kernel takes the step (`folds_norms`), the add and the norm run inside the
-        Linear after them instead: qkv and gate-up."""
+        Linear after them instead: qkv and gate-up. Where the GEMV kernel folds them
+        (`folds_into_gemv`), the layer returns the stream itself and None."""
+        if self.folds_into_gemv(x):
+            return self.forward_gemv(positions, x if residual is None else x + residual, meta), None
         if self.folds_norms(x):
             qkv_proj, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
             g = self.input_layernorm
@@ -242,6 +253,34 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(positions, normed, meta, reduce=not self.fuse_reduce)
         normed, residual = self._add_norm(self.post_attention_layernorm, a, residual)
         return self.mlp(normed, reduce=not self.fuse_reduce), residual
+
+    def forward_gemv(self, positions: torch.Tensor, h: torch.Tensor, meta: Any) -> torch.Tensor:
+        """The layer at one row in four GEMV launches and attention, the residual stream `h`
+        in and out: each norm runs in the Linear after it (qkv, gate-up: `norm`), each
+        residual add in the Linear before it (o, down: `residual`), the activation in the
+        gate-up launch where `gemv_activation` is on. No norm kernel runs."""
+        attn, mlp = self.self_attn, self.mlp
+        g = self.input_layernorm
+        qkv = gemv.gemv_triton(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(g.weight, g.eps))
+        h = attn(positions, None, meta, qkv=qkv, residual=h)
+        g, gate_up = self.post_attention_layernorm, mlp.gate_up_proj
+        a = gemv.gemv_triton(
+            h, gate_up.weight, gate_up.bias, gated=mlp.gemv_gated, norm=(g.weight, g.eps)
+        )
+        if not mlp.gemv_gated:
+            a = silu_mul(a)
+        return gemv.gemv_triton(a, mlp.down_proj.weight, residual=h)
+
+    def folds_into_gemv(self, x: torch.Tensor) -> bool:
+        """Whether this step runs `forward_gemv`: `gemv_folds` is set (tensor-parallel size
+        1, no bias after a residual add: `use_gemv`), the kernel takes the row, and the four
+        Linears are the model's own (an adapter's wrapper runs its own GEMM)."""
+        attn, mlp = self.self_attn, self.mlp
+        plain = (
+            type(attn.qkv_proj) is type(mlp.gate_up_proj) is MergedColumnParallelLinear
+            and type(attn.o_proj) is type(mlp.down_proj) is RowParallelLinear
+        )
+        return self.gemv_folds and plain and gemv.takes(x)
 
     def folds_norms(self, x: torch.Tensor) -> bool:
         """Whether this step's norms run inside the Linears after them: the skinny kernel
@@ -352,7 +391,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         residual = None
         for layer in self.layers.values():
             h, residual = layer.forward_fused(positions, h, residual, meta)
-        if residual is None:  # a stage with no layers
+        if residual is None:  # a stage with no layers, or layers that folded their adds
             return self.norm(h) if self.norm is not None else h
         partial = next(iter(self.layers.values())).fuse_reduce  # h is a partial sum
         if self.norm is None:
@@ -364,18 +403,30 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         return self.lm_head(h)
 
-    def use_gemv(self, measured: bool = False, gated: bool = False) -> list[str]:
+    def use_gemv(
+        self, measured: bool = False, gated: bool = False, fold_norms: bool = False
+    ) -> list[str]:
         """Run one-row inputs of the Linears (the decoder's and the LM head) on
         `kernels/gemv.py` (`EngineConfig.gemv`): every one, or with `measured` those whose
         weight shape the kernel reads faster than cuBLAS on this GPU (`faster_shapes`, the
-        same on every TP rank); `gated`: an MLP whose gate-up Linear does runs its
-        activation in that launch (`EngineConfig.gemv_activation`). Returns the names of the
-        Linears that now run the kernel."""
-        modules = {name: m for name, m in self.named_modules() if hasattr(m, "gemv")}
+        same on every TP rank); `fold_norms`: also every decoder Linear, whose layers then
+        run their norms and residual adds in those launches (`EngineConfig.gemv_fold_norms`;
+        tensor-parallel size 1, no bias after an add);
+        `gated`: an MLP whose gate-up Linear runs the kernel runs its activation in that
+        launch (`EngineConfig.gemv_activation`). Returns the names of the Linears that now
+        run the kernel."""
+        everything = {name: m for name, m in self.named_modules() if hasattr(m, "gemv")}
+        modules = everything
         if measured and modules:
             group = self.ctx.tp_group if self.ctx.tp_size > 1 else None
             faster = gemv.faster_shapes([m.weight for m in modules.values()], group)
             modules = {n: m for n, m in modules.items() if tuple(m.weight.shape) in faster}
+        if fold_norms and (self.ctx.tp_size > 1 or self.cfg.o_bias or self.cfg.mlp_bias):
+            raise ValueError("folding norms into the GEMV needs TP 1 and no o/down bias")
+        if fold_norms:
+            modules |= {n: m for n, m in everything.items() if n.startswith("layers.")}
+            for layer in self.layers.values():
+                layer.gemv_folds = True
         for m in modules.values():
             m.gemv = True
         if gated:

@@ -87,6 +87,83 @@ def test_triton_gated_matches_the_reference(n, k, bias):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "n,k,bias,gated,norm,residual",
+    [
+        (6, 40, False, False, True, False),  # the norm: a partial row block and K tile
+        (13, 1100, True, False, True, False),  # two K tiles of the norm's sums, a bias
+        (2 * 1030, 520, True, True, True, False),  # the norm, gate-up and activation
+        (13, 1100, False, False, False, True),  # the residual add after the Linear
+    ],
+)
+def test_triton_folded_norm_and_residual_match_the_reference(n, k, bias, gated, norm, residual):
+    """The RMSNorm before a Linear (`norm`) and the residual add after it (`residual`) in
+    the Linear's launch: as the reference computes them, and as the norm kernel's
+    reference followed by the plain launch (and the add) within float32 rounding."""
+    from services.engine.kernels.norm_rope import rms_norm_reference
+
+    x, w, b = _case(n, k, bias)
+    w = w / k**0.5  # outputs of about one, as a model's: float32's error is relative to them
+    gen = torch.Generator().manual_seed(5)
+    g = (torch.rand(k, generator=gen) + 0.5, 1e-6) if norm else None
+    res = torch.randn(1, n, generator=gen) if residual else None
+    got = gemv.gemv_triton(x, w, b, gated=gated, norm=g, residual=res)
+    want = gemv.gemv_fused_reference(x, w, b, gated=gated, norm=g, residual=res)
+    assert got.shape == want.shape == (1, n // 2 if gated else n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    normed = rms_norm_reference(x, g[0], g[1]) if norm else x
+    unfused = gemv.gemv_triton(normed, w, b, gated=gated)
+    unfused = unfused + res if residual else unfused
+    torch.testing.assert_close(got, unfused, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("arch,gated", [("llama", False), ("qwen3", True)])
+def test_triton_engine_folds_norms_and_adds_into_the_gemv_launches(
+    tiny_checkpoint, monkeypatch, arch, gated
+):
+    """`use_gemv(fold_norms=True)` (`EngineConfig.gemv_fold_norms`; forced here on CPU, the
+    kernel interpreted): a batch-1 decode layer runs no norm of its own, its norms and
+    residual adds inside the GEMV launches, and the tokens and float32 logprobs are the
+    unfolded engine's (every Linear on the kernel in both)."""
+    from services.engine import EngineConfig, LLMEngine, OutputAccumulator, SamplingParams
+
+    path = tiny_checkpoint(arch, layers=2)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[11, 12, 13, 14], [21]]
+
+    def serve(fold: bool) -> tuple[list, int]:
+        engine = LLMEngine(path, EngineConfig(device="cpu", max_num_batched_tokens=64))
+        model = engine.runner.model
+        names = model.use_gemv(gated=gated, fold_norms=fold)
+        assert all(model.get_submodule(n).gemv for n in names)
+        assert all(layer.gemv_folds == fold for layer in model.layers.values())
+        norms = []  # the layers' own norm calls
+        for layer in model.layers.values():
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                real = norm.forward
+                monkeypatch.setattr(norm, "forward", lambda *a, f=real: norms.append(1) or f(*a))
+        totals, done = OutputAccumulator(), {}
+        for i, prompt in enumerate(prompts):  # one at a time: every decode step is one row
+            engine.add_request(str(i), prompt, params)
+            while engine.has_unfinished_requests():
+                for out in totals.finished(engine.step()):
+                    done[out.request_id] = out.outputs[0]
+        return [done[str(i)] for i in range(len(prompts))], len(norms)
+
+    folded, folded_norms = serve(fold=True)
+    plain, plain_norms = serve(fold=False)
+    # Only the four-token prefill (two layers, two norms each) norms on its own: the
+    # one-token prompt's prefill is a row the kernel takes
+    assert folded_norms == 2 * 2 < plain_norms
+    for a, b in zip(folded, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert [la[t] for t in la] == pytest.approx([lb[t] for t in la], abs=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1")
 def test_triton_linears_with_gemv_on_route_one_row_to_the_kernel(monkeypatch):
     """`gemv` on a Linear (what `use_gemv` sets): a one-row input runs the kernel in the
     column- and row-parallel Linears (the latter's unreduced partial too) and the LM head,
