@@ -129,9 +129,9 @@ class EngineConfig:
     # The two below run more of a batch-1 decode layer inside the GEMV kernel's launches.
     # Each: None (the default) on where it was measured, a CUDA model at tensor-parallel
     # size 1 with `gemv` not False; True asks for it (a warning where it cannot run, an
-    # error with gemv=False); False: off. Together, on one H100 (decode.py, coxswain-fold+
-    # gact against coxswain-cublas... rows, benchmarks/README.md): the Qwen3-0.6B shape's
-    # batch-1 step from 1.20 to 1.12 ms (835 -> 889-892 tok/s), batch 32 and 128 unchanged.
+    # error with gemv=False); False: off. Together, on one H100 (decode.py's coxswain row
+    # against coxswain-unfused, benchmarks/README.md): the Qwen3-0.6B shape's batch-1 step
+    # from 1.20 to 1.12 ms (835-840 -> 889-897 tok/s), batch 32 and 128 unchanged.
     #
     # The activation: where an MLP's gate-up Linear runs on the GEMV kernel, SiLU-mul runs
     # in the same launch (kernels/gemv.py, `gated`), rounded where the unfused path rounds.
