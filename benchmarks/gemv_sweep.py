@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import triton
 
-from services.engine.kernels.gemv import BLOCK_N, _gemv_kernel, block_k, gemv_reference
+from services.engine.kernels import gemv
+from services.engine.kernels.gemv import BLOCK_N, block_k, gemv_reference
 from services.engine.kernels.timing import timed
 
 SHAPES = {  # name: (N, K) of W
@@ -42,11 +42,7 @@ TILES = list(itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 3)))  # n, k
 
 
 def launch(x, w, y, bn: int, bk: int, warps: int, stages: int) -> None:
-    n, k = w.shape
-    _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, w, w, y, n, k, w.stride(0), HAS_BIAS=False, GATED=False, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    gemv.launch(x, w, y, block_n=bn, tile_k=bk, num_warps=warps, num_stages=stages)
 
 
 def per_launch_us(fn, weights: list[torch.Tensor], reps: int = 40) -> float:

@@ -18,9 +18,10 @@
 #   tests-kernels  the Triton kernels' bf16 tests in tests/gpu, each variant compiled (1; 480 s)
 #   tests-nccl  tests/gpu/test_parallel_nccl.py: TP, PP, TP x PP, fused all-reduce (2; 560 s)
 #   decode      gemv_sweep.py (the one-row Linear against cuBLAS), then decode.py: ceiling,
-#               Coxswain, on cuBLAS alone (gemv off), with gemv at every shape, with
-#               gemv_activation, and with fused_decode_attention; Qwen3-0.6B and Llama-3-8B,
-#               batch 1/8/32/128 (1; 360 s)
+#               Coxswain, without the norms and activation folded into the GEMV launches
+#               (unfused), on cuBLAS alone (gemv off), with gemv at every shape, and with
+#               fused_decode_attention; Qwen3-0.6B and Llama-3-8B, batch 1/8/32/128
+#               (1; 360 s)
 #   profile     profile_decode.py's kernel table, host stages and host functions (plain, and
 #               with per-token capture), and the Llama-3-8B batch-256 step (1; 260 s)
 #   steering    steering_overhead.py, 128 x 512 -> 64, all 28 layers, K = 1 and 128 (1; 240 s)

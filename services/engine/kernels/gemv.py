@@ -189,7 +189,29 @@ def gemv_triton(
     assert residual is None or (not gated and residual.shape == (1, n)), "y = residual + xWᵀ"
     assert residual is None or residual.is_contiguous()
     y = torch.empty(1, out, device=x.device, dtype=x.dtype)
-    _gemv_kernel[(triton.cdiv(out, BLOCK_N),)](
+    launch(x, weight, y, bias, gated, norm, residual, num_warps=8)
+    return y
+
+
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+    tile_k: int | None = None,
+    **options: int,
+) -> None:
+    """One launch of the kernel into `y`, unchecked (`gemv_triton` checks its arguments),
+    at `block_n` rows a program and K tiles of `tile_k` (None: `block_k`'s); `options`:
+    Triton's launch options (`num_warps`, `num_stages`), for `benchmarks/gemv_sweep.py`'s
+    tiles."""
+    n, k = weight.shape
+    out = y.shape[1]
+    _gemv_kernel[(triton.cdiv(out, block_n),)](
         x,
         weight,
         bias if bias is not None else weight,  # unread without HAS_BIAS
@@ -204,11 +226,10 @@ def gemv_triton(
         GATED=gated,
         NORM=norm is not None,
         RESIDUAL=residual is not None,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k(n),
-        num_warps=8,
+        BLOCK_N=block_n,
+        BLOCK_K=tile_k or block_k(n),
+        **options,
     )
-    return y
 
 
 def takes(x: torch.Tensor) -> bool:
